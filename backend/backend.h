@@ -1,0 +1,192 @@
+// backend: a volume's bytes on a file or block device, and the io_uring engine that moves them.
+//
+// Every frontend (the NBD target, and later FUSE and the nbdkit plugin) reaches a volume only
+// through a Handle, and every request passes Handle::admit() first. That is the one place where
+// read-only is enforced and where ranges are checked, so no frontend can forget either.
+//
+// Errors are positive errno values (0 = success) from here to the wire; nothing on the I/O path
+// throws.
+#pragma once
+
+#include <sys/uio.h>
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <system_error>
+#include <vector>
+
+struct io_uring;
+struct msghdr;
+
+namespace shareblk::backend {
+
+enum class AttachMode : uint8_t { ReadWrite, ReadOnly };
+
+enum class Op : uint8_t { Read, Write, Flush, Trim, WriteZeroes, Cache };
+
+// Per-request flags, as the frontends' protocols define them.
+enum IoFlag : uint32_t {
+  kFua = 1 << 0,       // durable before completion
+  kNoHole = 1 << 1,    // write-zeroes must allocate (no punch)
+  kFastZero = 1 << 2,  // write-zeroes must be fast or fail with ENOTSUP
+};
+
+struct OpenOptions {
+  // O_DIRECT unless the file system refuses it (tmpfs), in which case the page cache is used.
+  bool direct = true;
+};
+
+// An open volume: a regular file or a block device, shared by every connection to it.
+// Thread-safe: all members are either immutable after open() or atomic.
+class Volume {
+ public:
+  static std::shared_ptr<Volume> open(const std::string& path, std::error_code& ec,
+                                       OpenOptions options = {});
+  ~Volume();
+  Volume(const Volume&) = delete;
+  Volume& operator=(const Volume&) = delete;
+
+  const std::string& path() const { return path_; }
+  uint64_t size() const { return size_.load(std::memory_order_acquire); }
+  bool is_block_device() const { return block_device_; }
+  bool is_direct() const { return direct_; }
+  bool rotational() const { return rotational_; }
+  // False when only a read-only descriptor could be opened.
+  bool writable() const { return writable_; }
+  // Offsets, lengths and buffer addresses that O_DIRECT accepts are multiples of this.
+  uint32_t direct_alignment() const { return direct_align_; }
+
+  // Re-reads the size after the volume grew (volume_extend). Returns errno.
+  int refresh_size();
+
+  // The descriptor a request of this shape goes to: the O_DIRECT one when it is aligned,
+  // else the buffered one (the kernel keeps the two coherent for the same inode).
+  int fd_for(uint64_t offset, uint64_t length, const void* buf) const;
+  int buffered_fd() const { return buffered_fd_; }
+
+  // True once any byte may be unallocated; until then reads skip the hole scan.
+  bool may_have_holes() const { return may_have_holes_.load(std::memory_order_relaxed); }
+  void note_holes() { may_have_holes_.store(true, std::memory_order_relaxed); }
+
+ private:
+  Volume() = default;
+  std::string path_;
+  int direct_fd_ = -1;
+  int buffered_fd_ = -1;
+  bool block_device_ = false;
+  bool direct_ = false;
+  bool rotational_ = false;
+  bool writable_ = true;
+  uint32_t direct_align_ = 4096;
+  std::atomic<uint64_t> size_{0};
+  std::atomic<bool> may_have_holes_{true};
+};
+
+// One extent of base:allocation status.
+struct Extent {
+  uint64_t length;
+  bool hole;  // unallocated, reads as zeroes
+};
+
+// A volume as one attachment sees it. Cheap to copy; every frontend request goes through it.
+class Handle {
+ public:
+  Handle() = default;
+  Handle(std::shared_ptr<Volume> volume, AttachMode mode)
+      : volume_(std::move(volume)), mode_(mode) {}
+
+  // The single admission rule, for every frontend: 0, or
+  //   EPERM  a write, trim or write-zeroes through a read-only attachment;
+  //   ENOSPC a write or write-zeroes reaching past the end (NBD "Error values");
+  //   EINVAL any other request reaching past the end.
+  int admit(Op op, uint64_t offset, uint64_t length) const;
+
+  const std::shared_ptr<Volume>& volume() const { return volume_; }
+  AttachMode mode() const { return mode_; }
+  bool read_only() const { return mode_ == AttachMode::ReadOnly; }
+
+  // Allocation status of [offset, offset+length): extents in order, at most max_extents,
+  // covering at least one byte. Uses SEEK_DATA/SEEK_HOLE; block devices are all data.
+  int extents(uint64_t offset, uint64_t length, size_t max_extents,
+              std::vector<Extent>& out) const;
+
+  // Synchronous I/O for frontends that run on their own threads (FUSE, nbdkit).
+  // Each admits first, like the asynchronous path. Returns errno.
+  int read(void* buf, uint64_t length, uint64_t offset) const;
+  int write(const void* buf, uint64_t length, uint64_t offset, uint32_t flags) const;
+  int flush() const;
+  int trim(uint64_t length, uint64_t offset, uint32_t flags) const;
+  int write_zeroes(uint64_t length, uint64_t offset, uint32_t flags) const;
+
+ private:
+  std::shared_ptr<Volume> volume_;
+  AttachMode mode_ = AttachMode::ReadOnly;
+};
+
+// What the engine calls when an operation it was given finishes. `res` is the io_uring result
+// for raw operations (bytes or -errno) and 0 or a positive errno for volume requests.
+class Completion {
+ public:
+  virtual void complete(int res) = 0;
+
+ protected:
+  virtual ~Completion() = default;
+};
+
+// A request against a volume, submitted through Ring::submit. The caller owns it and keeps it
+// alive until complete() runs; the engine keeps its progress in the private fields.
+class IoRequest : public Completion {
+ public:
+  Op op = Op::Read;
+  uint32_t flags = 0;
+  uint64_t offset = 0;
+  uint32_t length = 0;
+  char* buf = nullptr;  // Read, Write: `length` bytes; best aligned to 4096 for O_DIRECT
+
+  // Called once with 0 or a positive errno.
+  virtual void done(int err) = 0;
+
+ protected:
+  ~IoRequest() override = default;
+
+ private:
+  friend class Ring;
+  void complete(int res) final;
+  class Ring* ring_ = nullptr;
+  const Handle* handle_ = nullptr;
+  uint32_t progress_ = 0;   // bytes done so far (short transfers are resubmitted)
+  uint8_t stage_ = 0;       // see ring.cc
+};
+
+// One io_uring, owned by one thread. Socket and disk operations of that thread's connections
+// share it, so a request's receive, disk I/O and reply never change threads.
+class Ring {
+ public:
+  explicit Ring(unsigned entries, std::error_code& ec);
+  ~Ring();
+  Ring(const Ring&) = delete;
+  Ring& operator=(const Ring&) = delete;
+
+  // Admits the request through `handle` and starts it; done() runs from a later run_once()
+  // (or at once, with the admission error). `handle` must outlive the request.
+  void submit(const Handle& handle, IoRequest* request);
+
+  // Raw operations; `done->complete(res)` gets the io_uring result.
+  void recv(int fd, void* buf, size_t length, Completion* done);
+  void sendmsg(int fd, const msghdr* msg, Completion* done);
+  void read(int fd, void* buf, size_t length, Completion* done);
+
+  // Submits what is queued, waits for at least one completion (or `timeout_ms`, -1 = forever),
+  // and dispatches every completion that is ready. Returns the number dispatched.
+  int run_once(int timeout_ms = -1);
+
+ private:
+  friend class IoRequest;
+  struct io_uring_sqe* next_sqe();
+  void start(IoRequest* request);
+  std::unique_ptr<io_uring> ring_;
+};
+
+}  // namespace shareblk::backend

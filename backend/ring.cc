@@ -1,0 +1,195 @@
+// The io_uring engine: one ring per thread, volume requests as small state machines.
+#include <fcntl.h>
+#include <liburing.h>
+#include <sys/socket.h>
+
+#include <algorithm>
+#include <cerrno>
+
+#include "backend/backend.h"
+#include "backend/internal.h"
+
+namespace shareblk::backend {
+
+namespace {
+
+// IoRequest stages: the operation itself, then (write-zeroes only) writing zero bytes where
+// fallocate could not, then (FUA on trim/zero) a data sync.
+enum Stage : uint8_t { kMain = 0, kZeroFill = 1, kSync = 2 };
+
+}  // namespace
+
+Ring::Ring(unsigned entries, std::error_code& ec) : ring_(std::make_unique<io_uring>()) {
+  // Newest flags first: one submitting thread, completions run when we wait (fewer
+  // interrupts). Older kernels refuse them with EINVAL; fall back step by step.
+  const unsigned flag_sets[] = {IORING_SETUP_SINGLE_ISSUER | IORING_SETUP_DEFER_TASKRUN,
+                                IORING_SETUP_COOP_TASKRUN, 0};
+  int rc = -EINVAL;
+  for (unsigned flags : flag_sets) {
+    io_uring_params params{};
+    params.flags = flags | IORING_SETUP_CQSIZE;
+    params.cq_entries = entries * 4;
+    rc = io_uring_queue_init_params(entries, ring_.get(), &params);
+    if (rc != -EINVAL) break;
+  }
+  if (rc < 0) {
+    ec.assign(-rc, std::generic_category());
+    ring_.reset();
+  }
+}
+
+Ring::~Ring() {
+  if (ring_) io_uring_queue_exit(ring_.get());
+}
+
+io_uring_sqe* Ring::next_sqe() {
+  io_uring_sqe* sqe = io_uring_get_sqe(ring_.get());
+  while (sqe == nullptr) {  // the submission queue is full: hand it to the kernel
+    io_uring_submit(ring_.get());
+    sqe = io_uring_get_sqe(ring_.get());
+  }
+  return sqe;
+}
+
+void Ring::recv(int fd, void* buf, size_t length, Completion* done) {
+  io_uring_sqe* sqe = next_sqe();
+  io_uring_prep_recv(sqe, fd, buf, length, 0);
+  io_uring_sqe_set_data(sqe, done);
+}
+
+void Ring::sendmsg(int fd, const msghdr* msg, Completion* done) {
+  io_uring_sqe* sqe = next_sqe();
+  io_uring_prep_sendmsg(sqe, fd, msg, MSG_NOSIGNAL);
+  io_uring_sqe_set_data(sqe, done);
+}
+
+void Ring::read(int fd, void* buf, size_t length, Completion* done) {
+  io_uring_sqe* sqe = next_sqe();
+  io_uring_prep_read(sqe, fd, buf, static_cast<unsigned>(length), 0);
+  io_uring_sqe_set_data(sqe, done);
+}
+
+void Ring::submit(const Handle& handle, IoRequest* request) {
+  if (int err = handle.admit(request->op, request->offset, request->length)) {
+    request->done(err);
+    return;
+  }
+  if (request->length == 0 && request->op != Op::Flush) {  // nothing to move (fallocate and
+    request->done(0);                                       // fadvise read 0 as "to EOF")
+    return;
+  }
+  request->ring_ = this;
+  request->handle_ = &handle;
+  request->progress_ = 0;
+  request->stage_ = kMain;
+  start(request);
+}
+
+// Queues the next step of `r` according to its stage and progress.
+void Ring::start(IoRequest* r) {
+  const Volume& v = *r->handle_->volume();
+  io_uring_sqe* sqe = next_sqe();
+  io_uring_sqe_set_data(sqe, static_cast<Completion*>(r));
+  const uint64_t offset = r->offset + r->progress_;
+  const uint32_t remaining = r->length - r->progress_;
+  switch (r->stage_) {
+    case kSync:
+      io_uring_prep_fsync(sqe, v.buffered_fd(), IORING_FSYNC_DATASYNC);
+      return;
+    case kZeroFill: {
+      uint32_t n = std::min<uint32_t>(remaining, kZeroBufferSize);
+      const char* zeroes = zero_buffer();
+      io_uring_prep_write(sqe, v.fd_for(offset, n, zeroes), zeroes, n, offset);
+      return;
+    }
+    default:
+      break;
+  }
+  switch (r->op) {
+    case Op::Read:
+      io_uring_prep_read(sqe, v.fd_for(offset, remaining, r->buf + r->progress_),
+                         r->buf + r->progress_, remaining, offset);
+      break;
+    case Op::Write:
+      io_uring_prep_write(sqe, v.fd_for(offset, remaining, r->buf + r->progress_),
+                          r->buf + r->progress_, remaining, offset);
+      if (r->flags & kFua) sqe->rw_flags = RWF_DSYNC;
+      break;
+    case Op::Flush:
+      io_uring_prep_fsync(sqe, v.buffered_fd(), IORING_FSYNC_DATASYNC);
+      break;
+    case Op::Trim:
+    case Op::WriteZeroes: {
+      int mode = fallocate_mode(v, r->op, r->flags);
+      if (mode & FALLOC_FL_PUNCH_HOLE) r->handle_->volume()->note_holes();
+      io_uring_prep_fallocate(sqe, v.buffered_fd(), mode, offset, remaining);
+      break;
+    }
+    case Op::Cache:
+      io_uring_prep_fadvise(sqe, v.buffered_fd(), offset, static_cast<off_t>(remaining),
+                            POSIX_FADV_WILLNEED);
+      break;
+  }
+}
+
+void IoRequest::complete(int res) {
+  Ring* ring = ring_;
+  if (res == -EAGAIN || res == -EINTR) {  // nothing happened; try the same step again
+    ring->start(this);
+    return;
+  }
+  // A zero-length request completes in one step whatever the result.
+  const bool transfers = op == Op::Read || op == Op::Write || stage_ == kZeroFill;
+  if (res < 0) {
+    if (stage_ == kMain && res == -EOPNOTSUPP) {
+      if (op == Op::Trim) res = 0;  // trim is a hint: a device that cannot discard ignores it
+      if (op == Op::WriteZeroes) {
+        if (flags & kFastZero) return done(ENOTSUP);
+        stage_ = kZeroFill;  // no fallocate here: write the zeroes
+        progress_ = 0;
+        ring->start(this);
+        return;
+      }
+    }
+    if (res < 0) return done(-res);
+  }
+  if (transfers && length > 0) {
+    if (res == 0) return done(EIO);  // end of file inside the volume: it shrank under us
+    progress_ += static_cast<uint32_t>(res);
+    if (progress_ < length) {  // a short transfer: go on from where it stopped
+      ring->start(this);
+      return;
+    }
+  }
+  if ((flags & kFua) && (op == Op::Trim || op == Op::WriteZeroes) && stage_ != kSync) {
+    stage_ = kSync;
+    ring->start(this);
+    return;
+  }
+  done(0);
+}
+
+int Ring::run_once(int timeout_ms) {
+  io_uring_cqe* cqe = nullptr;
+  int rc;
+  if (timeout_ms < 0) {
+    rc = io_uring_submit_and_wait(ring_.get(), 1);
+  } else {
+    __kernel_timespec ts{timeout_ms / 1000, (timeout_ms % 1000) * 1000000L};
+    rc = io_uring_submit_and_wait_timeout(ring_.get(), &cqe, 1, &ts, nullptr);
+  }
+  if (rc < 0 && rc != -ETIME && rc != -EINTR && rc != -EBUSY) return rc;
+  int count = 0;
+  // Completions may queue new operations (and free their objects), so read each CQE's
+  // fields and mark it seen before calling out.
+  while (io_uring_peek_cqe(ring_.get(), &cqe) == 0) {
+    auto* done = static_cast<Completion*>(io_uring_cqe_get_data(cqe));
+    int res = cqe->res;
+    io_uring_cqe_seen(ring_.get(), cqe);
+    if (done != nullptr) done->complete(res);
+    ++count;
+  }
+  return count;
+}
+
+}  // namespace shareblk::backend

@@ -1,0 +1,154 @@
+// shareblkd: the shareblk daemon.
+//
+// Standalone mode (`--export NAME=PATH[,ro]`, repeatable) serves files or block devices
+// directly, like qemu-nbd; the benchmarks use it.
+#include <signal.h>
+#include <spdlog/spdlog.h>
+
+#include <boost/program_options.hpp>
+#include <fstream>
+#include <iostream>
+
+#include "backend/backend.h"
+#include "target/target.h"
+
+namespace po = boost::program_options;
+using namespace shareblk;  // NOLINT(google-build-using-namespace)
+
+namespace {
+
+struct ExportSpec {
+  std::string name;
+  std::string path;
+  bool read_only = false;
+};
+
+// NAME=PATH[,ro]
+bool parse_export(const std::string& text, ExportSpec& spec, std::string& error) {
+  const size_t eq = text.find('=');
+  if (eq == std::string::npos || eq == 0) {
+    error = "--export wants NAME=PATH[,ro], got '" + text + "'";
+    return false;
+  }
+  spec.name = text.substr(0, eq);
+  spec.path = text.substr(eq + 1);
+  if (spec.path.size() > 3 && spec.path.ends_with(",ro")) {
+    spec.read_only = true;
+    spec.path.resize(spec.path.size() - 3);
+  } else if (spec.path.size() > 3 && spec.path.ends_with(",rw")) {
+    spec.path.resize(spec.path.size() - 3);
+  }
+  if (spec.path.empty()) {
+    error = "--export " + text + ": empty path";
+    return false;
+  }
+  return true;
+}
+
+// Blocks every signal we handle so that worker threads never see them; the main thread
+// waits for one with sigwait.
+sigset_t block_signals() {
+  sigset_t set;
+  sigemptyset(&set);
+  sigaddset(&set, SIGINT);
+  sigaddset(&set, SIGTERM);
+  sigaddset(&set, SIGHUP);
+  pthread_sigmask(SIG_BLOCK, &set, nullptr);
+  signal(SIGPIPE, SIG_IGN);
+  return set;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  po::options_description desc("shareblkd options");
+  // clang-format off
+  desc.add_options()
+    ("help,h", "show this help")
+    ("config", po::value<std::string>(), "read options from FILE (one `name = value` per line)")
+    ("export", po::value<std::vector<std::string>>()->composing(),
+     "serve PATH as export NAME: NAME=PATH[,ro] (repeatable; standalone mode)")
+    ("listen-unix", po::value<std::vector<std::string>>()->composing(),
+     "listen on a Unix socket at PATH (repeatable)")
+    ("listen-tcp", po::value<std::vector<std::string>>()->composing(),
+     "listen on HOST:PORT (repeatable; default 127.0.0.1:10809 when no listener is given)")
+    ("workers", po::value<unsigned>()->default_value(0), "io_uring worker threads (0 = one per CPU)")
+    ("max-connections", po::value<unsigned>()->default_value(1024), "connections at most")
+    ("buffered", po::bool_switch(), "use the page cache instead of O_DIRECT")
+    ("log-level", po::value<std::string>()->default_value("info"),
+     "trace, debug, info, warn, error");
+  // clang-format on
+  po::variables_map vm;
+  try {
+    po::store(po::parse_command_line(argc, argv, desc), vm);
+    if (vm.count("config")) {
+      const std::string file = vm["config"].as<std::string>();
+      std::ifstream in(file);
+      if (!in) throw std::runtime_error("cannot read config file " + file);
+      po::store(po::parse_config_file(in, desc), vm);
+    }
+    po::notify(vm);
+  } catch (const std::exception& e) {
+    std::cerr << "shareblkd: " << e.what() << "\n" << desc;
+    return 2;
+  }
+  if (vm.count("help")) {
+    std::cout << desc;
+    return 0;
+  }
+  spdlog::set_level(spdlog::level::from_str(vm["log-level"].as<std::string>()));
+
+  target::ServerOptions options;
+  if (vm.count("listen-unix")) options.listen_unix = vm["listen-unix"].as<std::vector<std::string>>();
+  if (vm.count("listen-tcp")) options.listen_tcp = vm["listen-tcp"].as<std::vector<std::string>>();
+  if (options.listen_unix.empty() && options.listen_tcp.empty()) {
+    options.listen_tcp.push_back("127.0.0.1:10809");
+  }
+  options.workers = vm["workers"].as<unsigned>();
+  options.max_connections = vm["max-connections"].as<unsigned>();
+
+  if (!vm.count("export")) {
+    std::cerr << "shareblkd: nothing to serve: give --export NAME=PATH[,ro]\n";
+    return 2;
+  }
+  auto catalog = std::make_shared<target::StaticCatalog>();
+  backend::OpenOptions open_options;
+  open_options.direct = !vm["buffered"].as<bool>();
+  for (const std::string& text : vm["export"].as<std::vector<std::string>>()) {
+    ExportSpec spec;
+    std::string error;
+    if (!parse_export(text, spec, error)) {
+      std::cerr << "shareblkd: " << error << "\n";
+      return 2;
+    }
+    std::error_code ec;
+    auto volume = backend::Volume::open(spec.path, ec, open_options);
+    if (!volume) {
+      std::cerr << "shareblkd: cannot open " << spec.path << ": " << ec.message() << "\n";
+      return 1;
+    }
+    spdlog::info("export '{}': {} ({} bytes, {}{})", spec.name, spec.path, volume->size(),
+                 spec.read_only ? "read-only" : "read-write",
+                 volume->is_direct() ? ", O_DIRECT" : ", page cache");
+    catalog->add(spec.name, target::Export{volume,
+                                           spec.read_only ? backend::AttachMode::ReadOnly
+                                                          : backend::AttachMode::ReadWrite,
+                                           spec.name, spec.path});
+  }
+
+  sigset_t signals = block_signals();
+  target::Server server(options, catalog);
+  std::string what;
+  if (std::error_code ec = server.start(what)) {
+    std::cerr << "shareblkd: " << what << ": " << ec.message() << "\n";
+    return 1;
+  }
+  for (const auto& path : options.listen_unix) spdlog::info("listening on unix:{}", path);
+  for (const auto& ep : server.tcp_endpoints()) spdlog::info("listening on tcp:{}", ep);
+
+  int sig = 0;
+  sigwait(&signals, &sig);
+  spdlog::info("signal {}: stopping", sig);
+  server.stop();
+  return 0;
+}

@@ -1,0 +1,463 @@
+// The transmission phase of one connection (proto.md "Transmission phase"): requests parsed
+// from a receive buffer, disk I/O through the backend on the worker's ring, replies batched
+// into as few sendmsg calls as possible. Replies go out in completion order, not request order.
+#include <spdlog/spdlog.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+
+#include "target/worker.h"
+
+namespace shareblk::target {
+
+using namespace nbd;  // NOLINT(google-build-using-namespace): the wire vocabulary
+
+namespace {
+
+// errno to the values the wire allows (proto.md "Error values").
+uint32_t wire_error(int err) {
+  switch (err) {
+    case EPERM:
+    case EROFS:
+    case EACCES:
+    case EBADF:
+      return kEperm;
+    case ENOMEM:
+      return kEnomem;
+    case EINVAL:
+      return kEinval;
+    case ENOSPC:
+    case EDQUOT:
+    case EFBIG:
+      return kEnospc;
+    case EOVERFLOW:
+      return kEoverflow;
+    case ENOTSUP:
+      return kEnotsup;
+    case ESHUTDOWN:
+      return kEshutdown;
+    default:
+      return kEio;
+  }
+}
+
+// Which command flags each command accepts; any other gets EINVAL (proto.md "Error values").
+uint16_t allowed_flags(uint16_t type, bool structured) {
+  switch (type) {
+    case kCmdRead:
+      return structured ? kCmdFlagDf : 0;
+    case kCmdWrite:
+    case kCmdTrim:
+      return kCmdFlagFua;
+    case kCmdWriteZeroes:
+      return kCmdFlagFua | kCmdFlagNoHole | kCmdFlagFastZero;
+    case kCmdBlockStatus:
+      return kCmdFlagReqOne;
+    default:
+      return 0;
+  }
+}
+
+}  // namespace
+
+void Request::done(int err) { conn->finish_request(this, err); }
+
+Connection::Connection(Worker& worker, int fd, Session session)
+    : worker_(worker),
+      fd_(fd),
+      session_(std::move(session)),
+      handle_(session_.exp.volume, session_.exp.mode),
+      rbuf_(new char[kRecvBufferSize]) {
+  recv_done_.conn = this;
+  send_done_.conn = this;
+}
+
+Connection::~Connection() { ::close(fd_); }
+
+void Connection::start() { post_recv(); }
+
+void Connection::drain() {
+  reading_ = false;
+  ::shutdown(fd_, SHUT_RD);  // completes a pending receive with end-of-file
+  maybe_close();
+}
+
+void Connection::abort() {
+  reading_ = false;
+  broken_ = true;
+  drop_replies();
+  ::shutdown(fd_, SHUT_RDWR);
+  maybe_close();
+}
+
+void Connection::drop_replies() {
+  if (send_pending_) return;  // the kernel may still read their buffers; on_sent comes back
+  while (sendq_head_ != nullptr) {
+    Request* r = sendq_head_;
+    sendq_head_ = r->next;
+    release(r);
+  }
+  sendq_tail_ = nullptr;
+}
+
+void Connection::post_recv() {
+  if (!reading_ || recv_pending_ || broken_) return;
+  if (payload_for_ != nullptr) {  // the rest of a WRITE's payload goes straight to its buffer
+    worker_.ring().recv(fd_, payload_for_->buf + payload_got_,
+                        payload_for_->length - payload_got_, &recv_done_);
+    recv_pending_ = true;
+    return;
+  }
+  // Back-pressure: a client with too much in flight waits for replies before we read more.
+  if (inflight_ >= kMaxInflight || inflight_bytes_ >= kMaxInflightBytes) return;
+  if (rpos_ > 0) {
+    std::memmove(rbuf_.get(), rbuf_.get() + rpos_, rend_ - rpos_);
+    rend_ -= rpos_;
+    rpos_ = 0;
+  }
+  worker_.ring().recv(fd_, rbuf_.get() + rend_, kRecvBufferSize - rend_, &recv_done_);
+  recv_pending_ = true;
+}
+
+void Connection::on_recv(int res) {
+  recv_pending_ = false;
+  if (res == -EINTR || res == -EAGAIN) {
+    post_recv();
+    return;
+  }
+  if (res <= 0) {  // end of file, reset, or drain()
+    reading_ = false;
+    if (payload_for_ != nullptr) {  // the client vanished mid-payload: nothing is written
+      Request* r = payload_for_;
+      payload_for_ = nullptr;
+      release(r);
+    }
+    maybe_close();
+    return;
+  }
+  if (payload_for_ != nullptr) {
+    payload_got_ += static_cast<uint32_t>(res);
+    if (payload_got_ == payload_for_->length) {
+      Request* r = payload_for_;
+      payload_for_ = nullptr;
+      dispatch(r);
+    }
+  } else {
+    rend_ += static_cast<size_t>(res);
+  }
+  parse();
+  post_recv();
+  maybe_close();
+}
+
+void Connection::parse() {
+  parsing_ = true;
+  while (reading_ && payload_for_ == nullptr) {
+    if (discard_left_ > 0) {  // payload of a refused WRITE: read and dropped, keeps us in sync
+      size_t n = std::min<uint64_t>(discard_left_, rend_ - rpos_);
+      rpos_ += n;
+      discard_left_ -= n;
+      if (discard_left_ > 0) break;
+      continue;
+    }
+    if (rend_ - rpos_ < kRequestSize) break;
+    nbd::Request h = decode_request(reinterpret_cast<const uint8_t*>(rbuf_.get() + rpos_));
+    rpos_ += kRequestSize;
+    if (!begin_request(h)) break;
+  }
+  parsing_ = false;
+}
+
+// Starts one request whose header was just parsed. False ends parsing (DISC, bad magic).
+bool Connection::begin_request(const nbd::Request& h) {
+  if (h.magic != kRequestMagic) {
+    // Nothing after a bad header can be trusted: the spec's only answer is to disconnect.
+    spdlog::warn("nbd: bad request magic {:#x} from client of {}, disconnecting", h.magic,
+                 session_.export_name.substr(0, 8));
+    abort();
+    return false;
+  }
+  if (h.type == kCmdDisc) {
+    reading_ = false;  // requests in flight are still answered, then we close
+    return false;
+  }
+  Request* r = worker_.get_request();
+  r->conn = this;
+  r->cookie = h.cookie;
+  r->type = h.type;
+  r->nbd_flags = h.flags;
+  r->offset = h.offset;
+  r->length = h.length;
+  r->flags = 0;
+  r->buf = nullptr;
+  r->payload_size = 0;
+  r->next = nullptr;
+  ++inflight_;
+
+  int err = 0;
+  switch (h.type) {
+    case kCmdRead:
+    case kCmdWrite:
+    case kCmdFlush:
+    case kCmdTrim:
+    case kCmdCache:
+    case kCmdWriteZeroes:
+      break;
+    case kCmdBlockStatus:
+      if (!session_.base_allocation) err = EINVAL;  // no metadata context was negotiated
+      break;
+    default:
+      err = EINVAL;  // unknown command
+  }
+  if (h.flags & ~allowed_flags(h.type, session_.structured_replies)) err = EINVAL;
+  const bool has_payload = h.type == kCmdWrite;
+  const bool needs_buffer = has_payload || h.type == kCmdRead;
+  if (!err && needs_buffer && h.length > kMaxPayload) err = EOVERFLOW;
+  if (!err && needs_buffer && h.length > 0) {
+    r->buf = worker_.pool().get(h.length);
+    if (r->buf == nullptr) {
+      err = ENOMEM;
+    } else {
+      r->payload_size = h.length;
+      inflight_bytes_ += h.length;
+    }
+  }
+  if (err) {
+    if (has_payload) discard_left_ = h.length;
+    finish_request(r, err);
+    return true;
+  }
+  if (has_payload) {
+    const uint32_t have = static_cast<uint32_t>(std::min<size_t>(h.length, rend_ - rpos_));
+    std::memcpy(r->buf, rbuf_.get() + rpos_, have);
+    rpos_ += have;
+    if (have < h.length) {
+      payload_for_ = r;
+      payload_got_ = have;
+      return true;
+    }
+  }
+  dispatch(r);
+  return true;
+}
+
+void Connection::dispatch(Request* r) {
+  using backend::Op;
+  switch (r->type) {
+    case kCmdRead:
+      r->op = Op::Read;
+      break;
+    case kCmdWrite:
+      r->op = Op::Write;
+      break;
+    case kCmdFlush:
+      r->op = Op::Flush;
+      break;
+    case kCmdTrim:
+      r->op = Op::Trim;
+      break;
+    case kCmdWriteZeroes:
+      r->op = Op::WriteZeroes;
+      break;
+    case kCmdCache:
+      r->op = Op::Cache;
+      break;
+    case kCmdBlockStatus: {
+      // SEEK_DATA/SEEK_HOLE answer from file system metadata: no reason to leave the thread.
+      int err = r->length == 0 ? EINVAL
+                               : handle_.extents(r->offset, r->length,
+                                                 (r->nbd_flags & kCmdFlagReqOne)
+                                                     ? 1
+                                                     : Request::kMaxExtents,
+                                                 extents_);
+      finish_request(r, err);
+      return;
+    }
+    default:
+      finish_request(r, EINVAL);
+      return;
+  }
+  if (r->nbd_flags & kCmdFlagFua) r->flags |= backend::kFua;
+  if (r->nbd_flags & kCmdFlagNoHole) r->flags |= backend::kNoHole;
+  if (r->nbd_flags & kCmdFlagFastZero) r->flags |= backend::kFastZero;
+  worker_.ring().submit(handle_, r);
+}
+
+void Connection::finish_request(Request* r, int err) {
+  if (broken_) {
+    release(r);
+  } else {
+    encode_reply(r, err);
+    queue_reply(r);
+  }
+  maybe_close();
+}
+
+void Connection::encode_reply(Request* r, int err) {
+  uint8_t* p = r->reply;
+  int n = 0;
+  size_t total = 0;
+  auto add = [&](void* base, size_t length) {
+    r->iov[n++] = iovec{base, length};
+    total += length;
+  };
+  const uint32_t wire = err ? wire_error(err) : 0;
+
+  if (!session_.structured_replies) {
+    encode_simple_reply(p, wire, r->cookie);
+    add(p, kSimpleReplySize);
+    if (wire == 0 && r->type == kCmdRead && r->length > 0) add(r->buf, r->length);
+  } else if (wire != 0) {
+    // An error chunk says what went wrong; for reads, also where (ERROR_OFFSET).
+    const char* text = strerrordesc_np(err);
+    const uint16_t text_len =
+        static_cast<uint16_t>(std::min<size_t>(text ? std::strlen(text) : 0, 200));
+    const bool with_offset = r->type == kCmdRead;
+    const uint32_t length = 4 + 2 + text_len + (with_offset ? 8 : 0);
+    encode_chunk_header(p, kReplyFlagDone, with_offset ? kReplyErrorOffset : kReplyError,
+                        r->cookie, length);
+    put32(p + kChunkHeaderSize, wire);
+    put16(p + kChunkHeaderSize + 4, text_len);
+    if (text_len) std::memcpy(p + kChunkHeaderSize + 6, text, text_len);
+    if (with_offset) put64(p + kChunkHeaderSize + 6 + text_len, r->offset);
+    add(p, kChunkHeaderSize + length);
+  } else if (r->type == kCmdRead && r->length > 0) {
+    // Data and hole chunks, unless the client forbade fragmenting (DF) or nothing can be a
+    // hole. Holes are looked up after the read; a write racing the read may go either way,
+    // as it may for the read itself.
+    extents_.clear();
+    if (!(r->nbd_flags & kCmdFlagDf) && handle_.volume()->may_have_holes()) {
+      handle_.extents(r->offset, r->length, Request::kMaxChunks - 1, extents_);
+    }
+    uint64_t covered = 0;
+    for (const backend::Extent& e : extents_) covered += e.length;
+    if (covered < r->length) extents_.push_back({r->length - covered, false});
+    covered = 0;
+    for (size_t i = 0; i < extents_.size(); ++i) {
+      const backend::Extent& e = extents_[i];
+      const uint16_t flags = i + 1 == extents_.size() ? kReplyFlagDone : 0;
+      if (e.hole) {
+        encode_chunk_header(p, flags, kReplyOffsetHole, r->cookie, 12);
+        put64(p + kChunkHeaderSize, r->offset + covered);
+        put32(p + kChunkHeaderSize + 8, static_cast<uint32_t>(e.length));
+        add(p, kChunkHeaderSize + 12);
+        p += kChunkHeaderSize + 12;
+      } else {
+        encode_chunk_header(p, flags, kReplyOffsetData, r->cookie,
+                            static_cast<uint32_t>(8 + e.length));
+        put64(p + kChunkHeaderSize, r->offset + covered);
+        add(p, kChunkHeaderSize + 8);
+        add(r->buf + covered, e.length);
+        p += kChunkHeaderSize + 8;
+      }
+      covered += e.length;
+    }
+  } else if (r->type == kCmdBlockStatus) {
+    const uint32_t count = static_cast<uint32_t>(extents_.size());
+    encode_chunk_header(p, kReplyFlagDone, kReplyBlockStatus, r->cookie, 4 + 8 * count);
+    put32(p + kChunkHeaderSize, kBaseAllocationId);
+    uint8_t* d = p + kChunkHeaderSize + 4;
+    for (const backend::Extent& e : extents_) {
+      put32(d, static_cast<uint32_t>(e.length));
+      put32(d + 4, e.hole ? (kStateHole | kStateZero) : 0);
+      d += 8;
+    }
+    add(p, kChunkHeaderSize + 4 + 8 * count);
+  } else {
+    encode_chunk_header(p, kReplyFlagDone, kReplyNone, r->cookie, 0);
+    add(p, kChunkHeaderSize);
+  }
+  r->iov_first = 0;
+  r->iov_count = n;
+  r->reply_left = total;
+}
+
+void Connection::queue_reply(Request* r) {
+  r->next = nullptr;
+  if (sendq_tail_ != nullptr) {
+    sendq_tail_->next = r;
+  } else {
+    sendq_head_ = r;
+  }
+  sendq_tail_ = r;
+  send_more();
+}
+
+void Connection::send_more() {
+  if (send_pending_ || sendq_head_ == nullptr || broken_) return;
+  int n = 0;
+  for (Request* r = sendq_head_; r != nullptr; r = r->next) {
+    const int count = r->iov_count - r->iov_first;
+    if (n + count > kMaxSendIov) break;
+    std::copy(r->iov + r->iov_first, r->iov + r->iov_count, send_iov_ + n);
+    n += count;
+  }
+  send_msg_.msg_iov = send_iov_;
+  send_msg_.msg_iovlen = static_cast<size_t>(n);
+  worker_.ring().sendmsg(fd_, &send_msg_, &send_done_);
+  send_pending_ = true;
+}
+
+void Connection::on_sent(int res) {
+  send_pending_ = false;
+  if (res == -EINTR || res == -EAGAIN) {
+    send_more();
+    return;
+  }
+  if (res <= 0 || broken_) {  // the client is gone: drop every reply still queued
+    if (!broken_) {
+      broken_ = true;
+      reading_ = false;
+      ::shutdown(fd_, SHUT_RDWR);  // also ends a pending receive
+    }
+    drop_replies();
+    maybe_close();
+    return;
+  }
+  size_t left = static_cast<size_t>(res);
+  while (left > 0 && sendq_head_ != nullptr) {
+    Request* r = sendq_head_;
+    if (left >= r->reply_left) {
+      left -= r->reply_left;
+      sendq_head_ = r->next;
+      if (sendq_head_ == nullptr) sendq_tail_ = nullptr;
+      release(r);
+      continue;
+    }
+    // A short send: the rest of this reply goes out next.
+    r->reply_left -= left;
+    while (left > 0) {
+      iovec& v = r->iov[r->iov_first];
+      if (left >= v.iov_len) {
+        left -= v.iov_len;
+        ++r->iov_first;
+      } else {
+        v.iov_base = static_cast<char*>(v.iov_base) + left;
+        v.iov_len -= left;
+        left = 0;
+      }
+    }
+  }
+  send_more();
+  maybe_close();
+}
+
+void Connection::release(Request* r) {
+  if (r->payload_size > 0) {
+    worker_.pool().put(r->buf, r->payload_size);
+    inflight_bytes_ -= r->payload_size;
+  }
+  --inflight_;
+  worker_.put_request(r);
+  post_recv();
+}
+
+void Connection::maybe_close() {
+  if (parsing_ || reading_ || recv_pending_ || send_pending_ || inflight_ > 0) return;
+  worker_.connection_finished(this);  // deletes this
+}
+
+}  // namespace shareblk::target

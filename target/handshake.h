@@ -1,0 +1,43 @@
+// The fixed newstyle handshake (proto.md "Option haggling"), written against a byte stream so
+// that the same code runs on a socket and under the fuzzer.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+#include <string>
+
+#include "target/target.h"
+
+namespace shareblk::target {
+
+// A blocking byte stream. Both calls return false when the stream is gone or timed out.
+class ByteStream {
+ public:
+  virtual bool read_exact(void* buf, size_t length) = 0;
+  virtual bool write_all(const void* buf, size_t length) = 0;
+
+ protected:
+  ~ByteStream() = default;
+};
+
+// What the handshake agreed on, handed to the transmission phase.
+struct Session {
+  std::string export_name;
+  Export exp;
+  bool structured_replies = false;
+  bool base_allocation = false;  // metadata context kBaseAllocationId selected
+  uint16_t transmission_flags = 0;
+};
+
+inline constexpr uint32_t kBaseAllocationId = 1;
+
+// The transmission flags an export gets: only what is true of it (proto.md
+// "Transmission flags"). DF needs structured replies.
+uint16_t transmission_flags(const Export& exp, bool structured_replies);
+
+// Runs the server side of the handshake. Returns the session on NBD_OPT_GO or
+// NBD_OPT_EXPORT_NAME, nothing when the client aborted, disconnected, or broke the protocol.
+std::optional<Session> negotiate(ByteStream& stream, ExportCatalog& catalog, const Peer& peer);
+
+}  // namespace shareblk::target

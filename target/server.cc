@@ -1,0 +1,341 @@
+// Listeners, handshakes and the registry of live connections.
+//
+// Each accepted client gets a short-lived thread for its handshake (blocking, with a deadline),
+// then its socket moves to an io_uring worker for the transmission phase. Handshakes are rare
+// and small; keeping them off the workers keeps a slow or hostile client from stalling I/O.
+#include <arpa/inet.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <spdlog/spdlog.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <condition_variable>
+#include <cstring>
+#include <mutex>
+#include <thread>
+#include <unordered_map>
+#include <unordered_set>
+
+#include "target/target.h"
+#include "target/worker.h"
+
+namespace shareblk::target {
+
+namespace {
+
+class SocketStream final : public ByteStream {
+ public:
+  explicit SocketStream(int fd) : fd_(fd) {}
+  bool read_exact(void* buf, size_t length) override {
+    auto* p = static_cast<char*>(buf);
+    while (length > 0) {
+      ssize_t n = ::recv(fd_, p, length, 0);
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0) return false;  // closed, reset, or the handshake deadline passed
+      p += n;
+      length -= static_cast<size_t>(n);
+    }
+    return true;
+  }
+  bool write_all(const void* buf, size_t length) override {
+    const auto* p = static_cast<const char*>(buf);
+    while (length > 0) {
+      ssize_t n = ::send(fd_, p, length, MSG_NOSIGNAL);
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0) return false;
+      p += n;
+      length -= static_cast<size_t>(n);
+    }
+    return true;
+  }
+
+ private:
+  int fd_;
+};
+
+void set_timeouts(int fd, std::chrono::milliseconds t) {
+  timeval tv{static_cast<time_t>(t.count() / 1000),
+             static_cast<suseconds_t>((t.count() % 1000) * 1000)};
+  ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+  ::setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
+}
+
+std::error_code listen_unix(const std::string& path, int& out) {
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  if (path.size() >= sizeof addr.sun_path) return std::make_error_code(std::errc::filename_too_long);
+  std::memcpy(addr.sun_path, path.c_str(), path.size() + 1);
+  struct stat st {};
+  if (::lstat(path.c_str(), &st) == 0 && S_ISSOCK(st.st_mode)) ::unlink(path.c_str());
+  int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return {errno, std::generic_category()};
+  if (::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0 ||
+      ::listen(fd, SOMAXCONN) != 0) {
+    std::error_code ec(errno, std::generic_category());
+    ::close(fd);
+    return ec;
+  }
+  out = fd;
+  return {};
+}
+
+std::error_code listen_tcp(const std::string& endpoint, int& out, std::string& bound) {
+  const size_t colon = endpoint.rfind(':');
+  if (colon == std::string::npos) return std::make_error_code(std::errc::invalid_argument);
+  std::string host = endpoint.substr(0, colon);
+  const std::string port = endpoint.substr(colon + 1);
+  if (host.size() >= 2 && host.front() == '[' && host.back() == ']') {
+    host = host.substr(1, host.size() - 2);
+  }
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_PASSIVE | AI_NUMERICSERV;
+  addrinfo* res = nullptr;
+  if (::getaddrinfo(host.empty() ? nullptr : host.c_str(), port.c_str(), &hints, &res) != 0) {
+    return std::make_error_code(std::errc::invalid_argument);
+  }
+  std::unique_ptr<addrinfo, decltype(&::freeaddrinfo)> guard(res, ::freeaddrinfo);
+  int fd = ::socket(res->ai_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return {errno, std::generic_category()};
+  int one = 1;
+  ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+  if (::bind(fd, res->ai_addr, res->ai_addrlen) != 0 || ::listen(fd, SOMAXCONN) != 0) {
+    std::error_code ec(errno, std::generic_category());
+    ::close(fd);
+    return ec;
+  }
+  sockaddr_storage ss{};
+  socklen_t len = sizeof ss;
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&ss), &len);
+  char text[INET6_ADDRSTRLEN] = {};
+  uint16_t actual = 0;
+  if (ss.ss_family == AF_INET6) {
+    auto* a = reinterpret_cast<sockaddr_in6*>(&ss);
+    ::inet_ntop(AF_INET6, &a->sin6_addr, text, sizeof text);
+    actual = ntohs(a->sin6_port);
+    bound = "[" + std::string(text) + "]:" + std::to_string(actual);
+  } else {
+    auto* a = reinterpret_cast<sockaddr_in*>(&ss);
+    ::inet_ntop(AF_INET, &a->sin_addr, text, sizeof text);
+    actual = ntohs(a->sin_port);
+    bound = std::string(text) + ":" + std::to_string(actual);
+  }
+  out = fd;
+  return {};
+}
+
+Peer peer_of(int fd) {
+  sockaddr_storage ss{};
+  socklen_t len = sizeof ss;
+  Peer peer;
+  if (::getpeername(fd, reinterpret_cast<sockaddr*>(&ss), &len) != 0) return peer;
+  char text[INET6_ADDRSTRLEN] = {};
+  if (ss.ss_family == AF_INET) {
+    ::inet_ntop(AF_INET, &reinterpret_cast<sockaddr_in*>(&ss)->sin_addr, text, sizeof text);
+    peer.address = text;
+  } else if (ss.ss_family == AF_INET6) {
+    auto* a = reinterpret_cast<sockaddr_in6*>(&ss);
+    if (IN6_IS_ADDR_V4MAPPED(&a->sin6_addr)) {
+      ::inet_ntop(AF_INET, &a->sin6_addr.s6_addr[12], text, sizeof text);
+    } else {
+      ::inet_ntop(AF_INET6, &a->sin6_addr, text, sizeof text);
+    }
+    peer.address = text;
+  }
+  return peer;
+}
+
+}  // namespace
+
+struct Server::Impl final : ConnectionRegistry {
+  struct Listener {
+    int fd = -1;
+    bool tcp = false;
+    std::string path;  // unix sockets: removed at stop
+    std::thread thread;
+  };
+
+  ServerOptions options;
+  std::shared_ptr<ExportCatalog> catalog;
+  std::vector<std::unique_ptr<Worker>> workers;
+  std::vector<Listener> listeners;
+  std::vector<std::string> tcp_bound;
+
+  mutable std::mutex mutex;
+  std::condition_variable changed;
+  bool running = false;
+  bool stopping = false;
+  size_t next_worker = 0;
+  size_t open_connections = 0;  // handshaking + transmitting, for max_connections
+  size_t handshakes = 0;
+  std::unordered_set<int> handshake_fds;
+  std::unordered_map<std::string, size_t> live;  // group -> transmitting connections
+  std::unordered_set<std::string> closed_groups;
+
+  void accept_loop(Listener& listener);
+  void handshake(int fd, bool tcp);
+  void connection_closed(const std::string& group) override {
+    std::lock_guard lock(mutex);
+    auto it = live.find(group);
+    if (it != live.end() && --it->second == 0) live.erase(it);
+    --open_connections;
+    changed.notify_all();
+  }
+};
+
+void Server::Impl::accept_loop(Listener& listener) {
+  for (;;) {
+    int fd = ::accept4(listener.fd, nullptr, nullptr, SOCK_CLOEXEC);
+    if (fd < 0) {
+      if (errno == EINTR || errno == ECONNABORTED) continue;
+      if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM) {
+        spdlog::warn("nbd: accept: {}; retrying", std::strerror(errno));
+        std::this_thread::sleep_for(std::chrono::milliseconds(100));
+        continue;
+      }
+      return;  // the listener was shut down
+    }
+    std::unique_lock lock(mutex);
+    if (stopping || open_connections >= options.max_connections) {
+      lock.unlock();
+      spdlog::warn("nbd: refusing connection: {}", stopping ? "shutting down" : "too many");
+      ::close(fd);
+      continue;
+    }
+    ++open_connections;
+    ++handshakes;
+    handshake_fds.insert(fd);
+    lock.unlock();
+    std::thread([this, fd, tcp = listener.tcp] { handshake(fd, tcp); }).detach();
+  }
+}
+
+void Server::Impl::handshake(int fd, bool tcp) {
+  if (tcp) {
+    int one = 1;
+    ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+  }
+  set_timeouts(fd, options.handshake_timeout);
+  SocketStream stream(fd);
+  std::optional<Session> session = negotiate(stream, *catalog, peer_of(fd));
+  set_timeouts(fd, std::chrono::milliseconds(0));
+
+  std::lock_guard lock(mutex);
+  handshake_fds.erase(fd);
+  --handshakes;
+  // Checked under the lock that close_group() takes: an attachment deleted while this client
+  // negotiated never gets a live connection.
+  if (!session || stopping || closed_groups.count(session->exp.group) != 0) {
+    --open_connections;
+    ::close(fd);
+  } else {
+    ++live[session->exp.group];
+    // Posted under the lock, so a close_group() that follows is queued after it.
+    workers[next_worker++ % workers.size()]->adopt(fd, std::move(*session));
+  }
+  changed.notify_all();
+}
+
+Server::Server(ServerOptions options, std::shared_ptr<ExportCatalog> catalog)
+    : impl_(std::make_unique<Impl>()) {
+  impl_->options = std::move(options);
+  impl_->catalog = std::move(catalog);
+}
+
+Server::~Server() { stop(); }
+
+std::error_code Server::start(std::string& what) {
+  Impl& s = *impl_;
+  unsigned count = s.options.workers ? s.options.workers : std::thread::hardware_concurrency();
+  for (unsigned i = 0; i < std::max(1u, count); ++i) {
+    auto w = std::make_unique<Worker>(s);
+    if (std::error_code ec = w->start()) {
+      what = "io_uring worker";
+      return ec;
+    }
+    s.workers.push_back(std::move(w));
+  }
+  for (const std::string& path : s.options.listen_unix) {
+    Impl::Listener l;
+    if (std::error_code ec = listen_unix(path, l.fd)) {
+      what = "unix socket " + path;
+      return ec;
+    }
+    l.path = path;
+    s.listeners.push_back(std::move(l));
+  }
+  for (const std::string& endpoint : s.options.listen_tcp) {
+    Impl::Listener l;
+    l.tcp = true;
+    std::string bound;
+    if (std::error_code ec = listen_tcp(endpoint, l.fd, bound)) {
+      what = "tcp " + endpoint;
+      return ec;
+    }
+    s.tcp_bound.push_back(bound);
+    s.listeners.push_back(std::move(l));
+  }
+  s.running = true;
+  for (auto& l : s.listeners) {
+    l.thread = std::thread([&s, &l] { s.accept_loop(l); });
+  }
+  return {};
+}
+
+void Server::stop() {
+  Impl& s = *impl_;
+  {
+    std::lock_guard lock(s.mutex);
+    if (s.stopping) return;
+    s.stopping = true;
+  }
+  for (auto& l : s.listeners) {
+    ::shutdown(l.fd, SHUT_RDWR);  // wakes accept()
+    if (l.thread.joinable()) l.thread.join();
+    ::close(l.fd);
+    if (!l.path.empty()) ::unlink(l.path.c_str());
+  }
+  {
+    std::unique_lock lock(s.mutex);
+    for (int fd : s.handshake_fds) ::shutdown(fd, SHUT_RDWR);
+    s.changed.wait(lock, [&] { return s.handshakes == 0; });
+  }
+  for (auto& w : s.workers) w->stop();
+  s.workers.clear();
+}
+
+std::vector<std::string> Server::tcp_endpoints() const { return impl_->tcp_bound; }
+
+void Server::close_group(const std::string& group) {
+  Impl& s = *impl_;
+  {
+    std::lock_guard lock(s.mutex);
+    s.closed_groups.insert(group);
+    if (s.live.count(group) == 0 || s.workers.empty()) return;
+  }
+  for (auto& w : s.workers) w->close_group(group, false);
+  std::unique_lock lock(s.mutex);
+  auto gone = [&] { return s.live.count(group) == 0; };
+  if (!s.changed.wait_for(lock, s.options.close_grace, gone)) {
+    // A client that stops reading its replies cannot hold the close up forever.
+    spdlog::warn("nbd: connections of {} did not finish within the grace period; cutting off",
+                 group);
+    lock.unlock();
+    for (auto& w : s.workers) w->close_group(group, true);
+    lock.lock();
+    s.changed.wait(lock, gone);
+  }
+}
+
+size_t Server::connections(const std::string& group) const {
+  std::lock_guard lock(impl_->mutex);
+  auto it = impl_->live.find(group);
+  return it == impl_->live.end() ? 0 : it->second;
+}
+
+}  // namespace shareblk::target

@@ -1,0 +1,99 @@
+// target: the NBD server. Listens on Unix and TCP sockets, negotiates with each client, and
+// serves the transmission phase on io_uring worker threads.
+//
+// What a client may reach is decided by an ExportCatalog: the standalone `--export` table, or
+// the control plane's live attachments. Every connection belongs to one export and takes that
+// export's mode; the mode is enforced in the backend's admission check, not here.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <system_error>
+#include <vector>
+
+#include "backend/backend.h"
+
+namespace shareblk::target {
+
+// Who is connecting: the client's IP address as text for TCP, empty for a Unix socket.
+struct Peer {
+  std::string address;
+};
+
+// What an export name resolves to.
+struct Export {
+  std::shared_ptr<backend::Volume> volume;
+  backend::AttachMode mode = backend::AttachMode::ReadOnly;
+  // Connections are counted and closed per group: the attachment id, or the export name.
+  std::string group;
+  std::string description;
+};
+
+class ExportCatalog {
+ public:
+  virtual ~ExportCatalog() = default;
+  enum class Refusal { Unknown, Policy };
+  struct Lookup {
+    std::optional<Export> found;
+    Refusal refusal = Refusal::Unknown;  // why, when `found` is empty
+  };
+  // Called from handshake threads, possibly concurrently.
+  virtual Lookup resolve(const std::string& name, const Peer& peer) = 0;
+  // The names NBD_OPT_LIST may reveal (none, for attachments: their names are capabilities).
+  virtual std::vector<std::string> listable() = 0;
+};
+
+// A fixed table of exports, as `shareblkd --export NAME=PATH[,ro]` gives (like qemu-nbd).
+// The empty name reaches the only export when there is exactly one.
+class StaticCatalog final : public ExportCatalog {
+ public:
+  void add(const std::string& name, Export exp);
+  Lookup resolve(const std::string& name, const Peer& peer) override;
+  std::vector<std::string> listable() override;
+
+ private:
+  std::vector<std::pair<std::string, Export>> exports_;
+};
+
+struct ServerOptions {
+  std::vector<std::string> listen_unix;  // socket paths
+  std::vector<std::string> listen_tcp;   // HOST:PORT; port 0 picks a free one
+  unsigned workers = 0;                  // io_uring threads; 0 = one per CPU
+  unsigned max_connections = 1024;       // beyond this, new connections are closed at once
+  std::chrono::milliseconds handshake_timeout{30000};
+  // How long close_group() lets a connection finish its requests before cutting it off.
+  std::chrono::milliseconds close_grace{10000};
+};
+
+class Server {
+ public:
+  Server(ServerOptions options, std::shared_ptr<ExportCatalog> catalog);
+  ~Server();  // stops if running
+  Server(const Server&) = delete;
+  Server& operator=(const Server&) = delete;
+
+  // Binds every listener and starts the workers. Errors name the failing listener.
+  std::error_code start(std::string& what);
+  void stop();
+
+  // The TCP endpoints actually bound ("HOST:PORT"), useful with port 0.
+  std::vector<std::string> tcp_endpoints() const;
+
+  // Stops reading from every connection of `group`, lets the requests in flight be answered,
+  // closes the connections and returns when none is left. Connections of the group still in
+  // their handshake are refused. A group stays closed for the life of the server.
+  void close_group(const std::string& group);
+
+  // Live connections of `group` (in transmission phase).
+  size_t connections(const std::string& group) const;
+
+  struct Impl;
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace shareblk::target

@@ -1,0 +1,180 @@
+#include "target/worker.h"
+
+#include <spdlog/spdlog.h>
+#include <sys/eventfd.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <bit>
+#include <cstring>
+#include <cstdlib>
+
+namespace shareblk::target {
+
+// --- BufferPool ---
+
+namespace {
+// Buffers kept per size class: up to 8 MiB worth, and at least one.
+size_t keep_limit(uint32_t size) { return std::max<size_t>(1, (8u << 20) / size); }
+// Requests kept for reuse per worker.
+constexpr size_t kKeepRequests = 1024;
+}  // namespace
+
+BufferPool::~BufferPool() {
+  for (auto& list : free_) {
+    for (char* p : list) std::free(p);
+  }
+}
+
+int BufferPool::size_class(uint32_t size) {
+  if (size <= kMinSize) return 0;
+  return std::bit_width(size - 1) - std::bit_width(kMinSize - 1);
+}
+
+char* BufferPool::get(uint32_t size) {
+  const int c = size_class(size);
+  if (c >= kClasses) return nullptr;
+  auto& list = free_[static_cast<size_t>(c)];
+  if (!list.empty()) {
+    char* p = list.back();
+    list.pop_back();
+    return p;
+  }
+  return static_cast<char*>(std::aligned_alloc(kMinSize, size_t{kMinSize} << c));
+}
+
+void BufferPool::put(char* buf, uint32_t size) {
+  const int c = size_class(size);
+  auto& list = free_[static_cast<size_t>(c)];
+  if (list.size() < keep_limit(kMinSize << c)) {
+    list.push_back(buf);
+  } else {
+    std::free(buf);
+  }
+}
+
+// --- Worker ---
+
+Worker::Worker(ConnectionRegistry& registry) : registry_(registry) { wakeup_.worker = this; }
+
+Worker::~Worker() {
+  stop();
+  for (Request* r : free_requests_) delete r;
+  if (event_fd_ >= 0) ::close(event_fd_);
+}
+
+std::error_code Worker::start() {
+  event_fd_ = ::eventfd(0, EFD_CLOEXEC);
+  if (event_fd_ < 0) return {errno, std::generic_category()};
+  std::promise<std::error_code> started;
+  auto result = started.get_future();
+  thread_ = std::thread([this, &started] { run(&started); });
+  std::error_code ec = result.get();
+  if (ec) thread_.join();
+  return ec;
+}
+
+void Worker::run(std::promise<std::error_code>* started) {
+  // The ring is made on the thread that uses it: IORING_SETUP_SINGLE_ISSUER binds it here.
+  std::error_code ec;
+  ring_ = std::make_unique<backend::Ring>(256, ec);
+  if (ec) {
+    ring_.reset();
+    started->set_value(ec);
+    return;
+  }
+  ring_->read(event_fd_, &event_value_, sizeof event_value_, &wakeup_);
+  started->set_value({});
+  while (!(stopping_ && connections_.empty())) {
+    int rc = ring_->run_once();
+    if (rc < 0) {
+      spdlog::error("worker: io_uring wait failed: {}", std::strerror(-rc));
+      break;
+    }
+  }
+  ring_.reset();  // cancels the eventfd read
+}
+
+void Worker::stop() {
+  if (!thread_.joinable()) return;
+  post([](Worker& w) {
+    w.stopping_ = true;
+    std::vector<Connection*> all(w.connections_.begin(), w.connections_.end());
+    for (Connection* c : all) c->abort();
+  });
+  thread_.join();
+}
+
+void Worker::post(std::function<void(Worker&)> task) {
+  {
+    std::lock_guard lock(mutex_);
+    tasks_.push_back(std::move(task));
+  }
+  uint64_t one = 1;
+  ssize_t n = ::write(event_fd_, &one, sizeof one);
+  (void)n;  // an eventfd write only fails on counter overflow, and then it is already awake
+}
+
+void Worker::on_wakeup(int /*res*/) {
+  std::vector<std::function<void(Worker&)>> tasks;
+  {
+    std::lock_guard lock(mutex_);
+    tasks.swap(tasks_);
+  }
+  for (auto& task : tasks) task(*this);
+  if (!stopping_ || !connections_.empty()) {
+    ring_->read(event_fd_, &event_value_, sizeof event_value_, &wakeup_);
+  }
+}
+
+void Worker::adopt(int fd, Session session) {
+  post([fd, session = std::move(session)](Worker& w) mutable {
+    auto* c = new Connection(w, fd, std::move(session));
+    w.connections_.insert(c);
+    if (w.stopping_) {
+      c->abort();
+    } else {
+      c->start();
+    }
+  });
+}
+
+void Worker::close_group(const std::string& group, bool now) {
+  post([group, now](Worker& w) {
+    std::vector<Connection*> matching;
+    for (Connection* c : w.connections_) {
+      if (c->group() == group) matching.push_back(c);
+    }
+    for (Connection* c : matching) {
+      if (now) {
+        c->abort();
+      } else {
+        c->drain();
+      }
+    }
+  });
+}
+
+Request* Worker::get_request() {
+  if (free_requests_.empty()) return new Request();
+  Request* r = free_requests_.back();
+  free_requests_.pop_back();
+  return r;
+}
+
+void Worker::put_request(Request* r) {
+  if (free_requests_.size() < kKeepRequests) {
+    free_requests_.push_back(r);
+  } else {
+    delete r;
+  }
+}
+
+void Worker::connection_finished(Connection* c) {
+  connections_.erase(c);
+  std::string group = c->group();
+  delete c;
+  registry_.connection_closed(group);
+}
+
+}  // namespace shareblk::target

@@ -1,0 +1,208 @@
+// Internal to target/: the io_uring worker threads and the connections they serve.
+#pragma once
+
+#include <sys/socket.h>
+#include <sys/uio.h>
+
+#include <array>
+#include <cstdint>
+#include <functional>
+#include <future>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <unordered_set>
+#include <vector>
+
+#include "backend/backend.h"
+#include "target/handshake.h"
+#include "target/nbd_proto.h"
+
+namespace shareblk::target {
+
+// Payload buffers by power-of-two size class, 4 KiB aligned for O_DIRECT, recycled so that the
+// steady state allocates nothing. Owned by one worker thread; not thread-safe.
+class BufferPool {
+ public:
+  static constexpr uint32_t kMinSize = 4096;
+  static constexpr int kClasses = 14;  // 4 KiB .. 32 MiB
+  static_assert((kMinSize << (kClasses - 1)) == nbd::kMaxPayload);
+
+  BufferPool() = default;
+  ~BufferPool();
+  BufferPool(const BufferPool&) = delete;
+  BufferPool& operator=(const BufferPool&) = delete;
+
+  // A buffer of at least `size` bytes (size <= kMaxPayload), or nullptr when out of memory.
+  char* get(uint32_t size);
+  void put(char* buf, uint32_t size);
+
+ private:
+  static int size_class(uint32_t size);
+  std::array<std::vector<char*>, kClasses> free_;
+};
+
+class Worker;
+class Connection;
+
+// One NBD request from header to reply.
+struct Request final : backend::IoRequest {
+  // A structured reply is at most this many chunks (reads with holes), and a block status
+  // reply at most this many extents.
+  static constexpr size_t kMaxChunks = 16;
+  static constexpr size_t kMaxExtents = 128;
+  static constexpr size_t kReplyBytes = 64 + kMaxChunks * 32 + kMaxExtents * 8;
+  static constexpr size_t kMaxIov = 2 * kMaxChunks + 1;
+
+  Connection* conn = nullptr;
+  uint64_t cookie = 0;
+  uint16_t type = 0;
+  uint16_t nbd_flags = 0;
+  uint32_t payload_size = 0;  // bytes of `buf` (pool size), 0 when none
+  Request* next = nullptr;    // the connection's reply queue
+
+  // The encoded reply: headers in `reply`, data straight from `buf`.
+  uint8_t reply[kReplyBytes];
+  iovec iov[kMaxIov];
+  int iov_first = 0;  // iovecs before this one are sent
+  int iov_count = 0;
+  size_t reply_left = 0;
+
+  void done(int err) override;
+};
+
+// The transmission phase of one client connection. Lives on one worker; every member is
+// touched only by that worker's thread.
+class Connection {
+ public:
+  Connection(Worker& worker, int fd, Session session);
+  ~Connection();
+  Connection(const Connection&) = delete;
+  Connection& operator=(const Connection&) = delete;
+
+  void start();
+  // Stop reading; requests already received are answered, then the connection closes.
+  void drain();
+  // Cut the connection off now (requests in flight still complete inside the server).
+  void abort();
+
+  const std::string& group() const { return session_.exp.group; }
+  void finish_request(Request* r, int err);
+  void on_recv(int res);
+  void on_sent(int res);
+
+ private:
+  struct RecvCompletion final : backend::Completion {
+    Connection* conn;
+    void complete(int res) override { conn->on_recv(res); }
+  };
+  struct SendCompletion final : backend::Completion {
+    Connection* conn;
+    void complete(int res) override { conn->on_sent(res); }
+  };
+
+  void post_recv();
+  void parse();
+  bool begin_request(const nbd::Request& header);
+  void dispatch(Request* r);
+  void encode_reply(Request* r, int err);
+  void queue_reply(Request* r);
+  void send_more();
+  void release(Request* r);
+  void drop_replies();
+  void maybe_close();
+
+  Worker& worker_;
+  int fd_;
+  Session session_;
+  backend::Handle handle_;
+
+  // Received bytes not yet parsed live in rbuf_[rpos_, rend_).
+  static constexpr size_t kRecvBufferSize = 64 * 1024;
+  std::unique_ptr<char[]> rbuf_;
+  size_t rpos_ = 0;
+  size_t rend_ = 0;
+  Request* payload_for_ = nullptr;   // a WRITE whose payload is still arriving
+  uint32_t payload_got_ = 0;
+  uint64_t discard_left_ = 0;        // payload bytes of a refused request still to skip
+
+  RecvCompletion recv_done_;
+  SendCompletion send_done_;
+  bool recv_pending_ = false;
+  bool reading_ = true;   // false after EOF, NBD_CMD_DISC, a protocol error or drain()
+  bool broken_ = false;   // the socket failed: replies are dropped
+  bool parsing_ = false;  // inside parse(): the connection must not close under it
+
+  // Replies wait in a FIFO; one sendmsg at a time carries as many as fit.
+  Request* sendq_head_ = nullptr;
+  Request* sendq_tail_ = nullptr;
+  bool send_pending_ = false;
+  static constexpr int kMaxSendIov = 256;
+  iovec send_iov_[kMaxSendIov];
+  msghdr send_msg_{};
+
+  // Limits on what one client may have in flight: bounded memory per connection.
+  static constexpr uint32_t kMaxInflight = 256;
+  static constexpr uint64_t kMaxInflightBytes = 128ull << 20;
+  uint32_t inflight_ = 0;
+  uint64_t inflight_bytes_ = 0;
+
+  std::vector<backend::Extent> extents_;  // scratch for block status and sparse reads
+};
+
+// Callbacks from workers to the server's registry of connections.
+class ConnectionRegistry {
+ public:
+  virtual void connection_closed(const std::string& group) = 0;
+
+ protected:
+  ~ConnectionRegistry() = default;
+};
+
+// One thread, one ring, many connections.
+class Worker {
+ public:
+  explicit Worker(ConnectionRegistry& registry);
+  ~Worker();
+  Worker(const Worker&) = delete;
+  Worker& operator=(const Worker&) = delete;
+
+  std::error_code start();
+  // Closes every connection (abort) and joins the thread.
+  void stop();
+
+  // Runs `task` on the worker thread.
+  void post(std::function<void(Worker&)> task);
+  void adopt(int fd, Session session);
+  // Drains (or, with `now`, aborts) every connection of `group`.
+  void close_group(const std::string& group, bool now);
+
+  backend::Ring& ring() { return *ring_; }
+  BufferPool& pool() { return pool_; }
+  Request* get_request();
+  void put_request(Request* r);
+  void connection_finished(Connection* c);
+
+ private:
+  struct Wakeup final : backend::Completion {
+    Worker* worker;
+    void complete(int res) override { worker->on_wakeup(res); }
+  };
+  void run(std::promise<std::error_code>* started);
+  void on_wakeup(int res);
+
+  ConnectionRegistry& registry_;
+  std::unique_ptr<backend::Ring> ring_;
+  BufferPool pool_;
+  std::thread thread_;
+  int event_fd_ = -1;
+  uint64_t event_value_ = 0;
+  Wakeup wakeup_;
+  std::mutex mutex_;
+  std::vector<std::function<void(Worker&)>> tasks_;
+  std::unordered_set<Connection*> connections_;
+  std::vector<Request*> free_requests_;
+  bool stopping_ = false;
+};
+
+}  // namespace shareblk::target
