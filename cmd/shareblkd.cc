@@ -1,15 +1,19 @@
 // shareblkd: the shareblk daemon.
 //
-// Standalone mode (`--export NAME=PATH[,ro]`, repeatable) serves files or block devices
-// directly, like qemu-nbd; the benchmarks use it.
+// Managed mode (the default) keeps volumes and attachments under --state-dir and serves them
+// through the control socket's attachment API. Standalone mode (`--export NAME=PATH[,ro]`,
+// repeatable) serves files or block devices directly, like qemu-nbd; the benchmarks use it.
 #include <signal.h>
 #include <spdlog/spdlog.h>
 
 #include <boost/program_options.hpp>
+#include <filesystem>
 #include <fstream>
 #include <iostream>
 
 #include "backend/backend.h"
+#include "control/control.h"
+#include "lvm/volume_store.h"
 #include "target/target.h"
 
 namespace po = boost::program_options;
@@ -66,12 +70,20 @@ int main(int argc, char** argv) {
   desc.add_options()
     ("help,h", "show this help")
     ("config", po::value<std::string>(), "read options from FILE (one `name = value` per line)")
+    ("state-dir", po::value<std::string>()->default_value("./var"),
+     "managed mode: database, control socket and file-store volumes live here")
+    ("control-socket", po::value<std::string>(), "control socket path (default STATE_DIR/shareblk.sock)")
+    ("store", po::value<std::string>()->default_value("file"), "volume store: file, or lvm:VG")
+    ("allow_multiattach", po::value<bool>()->default_value(true),
+     "policy: volumes may be multiattach")
+    ("allow_multiattach_bootable", po::value<bool>()->default_value(true),
+     "policy: a bootable volume may have several attachments")
     ("export", po::value<std::vector<std::string>>()->composing(),
-     "serve PATH as export NAME: NAME=PATH[,ro] (repeatable; standalone mode)")
+     "standalone mode: serve PATH as export NAME: NAME=PATH[,ro] (repeatable)")
     ("listen-unix", po::value<std::vector<std::string>>()->composing(),
-     "listen on a Unix socket at PATH (repeatable)")
+     "listen for NBD on a Unix socket at PATH (repeatable; managed default STATE_DIR/nbd.sock)")
     ("listen-tcp", po::value<std::vector<std::string>>()->composing(),
-     "listen on HOST:PORT (repeatable; default 127.0.0.1:10809 when no listener is given)")
+     "listen for NBD on HOST:PORT (repeatable; default 127.0.0.1:10809 when no listener is given)")
     ("workers", po::value<unsigned>()->default_value(0), "io_uring worker threads (0 = one per CPU)")
     ("max-connections", po::value<unsigned>()->default_value(1024), "connections at most")
     ("buffered", po::bool_switch(), "use the page cache instead of O_DIRECT")
@@ -101,42 +113,78 @@ int main(int argc, char** argv) {
   target::ServerOptions options;
   if (vm.count("listen-unix")) options.listen_unix = vm["listen-unix"].as<std::vector<std::string>>();
   if (vm.count("listen-tcp")) options.listen_tcp = vm["listen-tcp"].as<std::vector<std::string>>();
-  if (options.listen_unix.empty() && options.listen_tcp.empty()) {
-    options.listen_tcp.push_back("127.0.0.1:10809");
-  }
   options.workers = vm["workers"].as<unsigned>();
   options.max_connections = vm["max-connections"].as<unsigned>();
+  sigset_t signals = block_signals();
 
-  if (!vm.count("export")) {
-    std::cerr << "shareblkd: nothing to serve: give --export NAME=PATH[,ro]\n";
-    return 2;
-  }
-  auto catalog = std::make_shared<target::StaticCatalog>();
-  backend::OpenOptions open_options;
-  open_options.direct = !vm["buffered"].as<bool>();
-  for (const std::string& text : vm["export"].as<std::vector<std::string>>()) {
-    ExportSpec spec;
-    std::string error;
-    if (!parse_export(text, spec, error)) {
-      std::cerr << "shareblkd: " << error << "\n";
-      return 2;
+  std::shared_ptr<target::ExportCatalog> catalog;
+  std::unique_ptr<lvm::VolumeStore> store;
+  std::unique_ptr<control::ControlPlane> plane;
+  std::string control_socket;
+  if (vm.count("export")) {
+    if (options.listen_unix.empty() && options.listen_tcp.empty()) {
+      options.listen_tcp.push_back("127.0.0.1:10809");
     }
+    auto exports = std::make_shared<target::StaticCatalog>();
+    backend::OpenOptions open_options;
+    open_options.direct = !vm["buffered"].as<bool>();
+    for (const std::string& text : vm["export"].as<std::vector<std::string>>()) {
+      ExportSpec spec;
+      std::string error;
+      if (!parse_export(text, spec, error)) {
+        std::cerr << "shareblkd: " << error << "\n";
+        return 2;
+      }
+      std::error_code ec;
+      auto volume = backend::Volume::open(spec.path, ec, open_options);
+      if (!volume) {
+        std::cerr << "shareblkd: cannot open " << spec.path << ": " << ec.message() << "\n";
+        return 1;
+      }
+      spdlog::info("export '{}': {} ({} bytes, {}{})", spec.name, spec.path, volume->size(),
+                   spec.read_only ? "read-only" : "read-write",
+                   volume->is_direct() ? ", O_DIRECT" : ", page cache");
+      exports->add(spec.name, target::Export{volume,
+                                             spec.read_only ? backend::AttachMode::ReadOnly
+                                                            : backend::AttachMode::ReadWrite,
+                                             spec.name, spec.path});
+    }
+    catalog = exports;
+  } else {
+    namespace fs = std::filesystem;
     std::error_code ec;
-    auto volume = backend::Volume::open(spec.path, ec, open_options);
-    if (!volume) {
-      std::cerr << "shareblkd: cannot open " << spec.path << ": " << ec.message() << "\n";
+    const fs::path state = fs::absolute(vm["state-dir"].as<std::string>());
+    fs::create_directories(state, ec);
+    if (ec) {
+      std::cerr << "shareblkd: cannot create " << state << ": " << ec.message() << "\n";
       return 1;
     }
-    spdlog::info("export '{}': {} ({} bytes, {}{})", spec.name, spec.path, volume->size(),
-                 spec.read_only ? "read-only" : "read-write",
-                 volume->is_direct() ? ", O_DIRECT" : ", page cache");
-    catalog->add(spec.name, target::Export{volume,
-                                           spec.read_only ? backend::AttachMode::ReadOnly
-                                                          : backend::AttachMode::ReadWrite,
-                                           spec.name, spec.path});
+    control_socket = vm.count("control-socket") ? vm["control-socket"].as<std::string>()
+                                                : (state / "shareblk.sock").string();
+    if (options.listen_unix.empty() && options.listen_tcp.empty()) {
+      options.listen_unix.push_back((state / "nbd.sock").string());
+      options.listen_tcp.push_back("127.0.0.1:10809");
+    }
+    for (auto& path : options.listen_unix) path = fs::absolute(path).string();
+    lvm::StoreError store_error;
+    store = lvm::make_store(vm["store"].as<std::string>(), state.string(), store_error);
+    if (!store) {
+      std::cerr << "shareblkd: " << store_error.message << "\n";
+      return 1;
+    }
+    control::Policy policy;
+    policy.allow_multiattach = vm["allow_multiattach"].as<bool>();
+    policy.allow_multiattach_bootable = vm["allow_multiattach_bootable"].as<bool>();
+    try {
+      plane = std::make_unique<control::ControlPlane>((state / "shareblk.db").string(), *store,
+                                                      policy);
+    } catch (const std::exception& e) {
+      std::cerr << "shareblkd: " << e.what() << "\n";
+      return 1;
+    }
+    catalog = plane->catalog();
   }
 
-  sigset_t signals = block_signals();
   target::Server server(options, catalog);
   std::string what;
   if (std::error_code ec = server.start(what)) {
@@ -145,10 +193,22 @@ int main(int argc, char** argv) {
   }
   for (const auto& path : options.listen_unix) spdlog::info("listening on unix:{}", path);
   for (const auto& ep : server.tcp_endpoints()) spdlog::info("listening on tcp:{}", ep);
+  if (plane) {
+    control::Endpoints endpoints;
+    if (!options.listen_unix.empty()) endpoints.unix_socket = options.listen_unix.front();
+    if (!server.tcp_endpoints().empty()) endpoints.tcp = server.tcp_endpoints().front();
+    plane->bind(&server, endpoints);
+    if (std::error_code ec = plane->listen(control_socket)) {
+      std::cerr << "shareblkd: control socket " << control_socket << ": " << ec.message() << "\n";
+      return 1;
+    }
+    spdlog::info("control socket {} (store: {})", control_socket, store->kind());
+  }
 
   int sig = 0;
   sigwait(&signals, &sig);
   spdlog::info("signal {}: stopping", sig);
+  if (plane) plane->stop();
   server.stop();
   return 0;
 }

@@ -1,0 +1,390 @@
+// shareblk: the command-line client of the control socket. One subcommand per API method;
+// tables for people, --json for scripts. Exit status: 0 ok, 1 the daemon refused (the reason
+// is printed), 2 bad usage, 3 the daemon could not be reached.
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <boost/program_options.hpp>
+#include <cstdlib>
+#include <cstring>
+#include <iomanip>
+#include <iostream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+namespace po = boost::program_options;
+using Json = nlohmann::json;
+
+namespace {
+
+struct UsageError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+// One JSON-RPC call over the control socket.
+Json rpc(const std::string& socket_path, const std::string& method, const Json& params) {
+  int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  if (socket_path.size() >= sizeof addr.sun_path) throw std::runtime_error("socket path too long");
+  std::memcpy(addr.sun_path, socket_path.c_str(), socket_path.size() + 1);
+  if (fd < 0 || ::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) {
+    std::string why = std::strerror(errno);
+    if (fd >= 0) ::close(fd);
+    throw std::runtime_error("cannot reach shareblkd at " + socket_path + ": " + why);
+  }
+  std::string line =
+      Json{{"jsonrpc", "2.0"}, {"id", 1}, {"method", method}, {"params", params}}.dump() + "\n";
+  if (::send(fd, line.data(), line.size(), MSG_NOSIGNAL) != static_cast<ssize_t>(line.size())) {
+    ::close(fd);
+    throw std::runtime_error("cannot send to shareblkd");
+  }
+  std::string reply;
+  char buf[65536];
+  while (reply.find('\n') == std::string::npos) {
+    ssize_t n = ::recv(fd, buf, sizeof buf, 0);
+    if (n <= 0) break;
+    reply.append(buf, static_cast<size_t>(n));
+  }
+  ::close(fd);
+  Json response = Json::parse(reply, nullptr, false);
+  if (response.is_discarded()) throw std::runtime_error("shareblkd sent no valid reply");
+  return response;
+}
+
+std::string text(const Json& v) {
+  if (v.is_null()) return "-";
+  if (v.is_string()) return v.get<std::string>();
+  return v.dump();
+}
+
+std::string human_size(uint64_t bytes) {
+  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  double v = static_cast<double>(bytes);
+  int u = 0;
+  while (v >= 1024 && u < 4) {
+    v /= 1024;
+    ++u;
+  }
+  std::ostringstream s;
+  s << std::setprecision(v < 10 ? 2 : 4) << v << " " << units[u];
+  return s.str();
+}
+
+void print_table(const std::vector<std::string>& headers,
+                 const std::vector<std::vector<std::string>>& rows) {
+  std::vector<size_t> width(headers.size());
+  for (size_t i = 0; i < headers.size(); ++i) width[i] = headers[i].size();
+  for (const auto& row : rows) {
+    for (size_t i = 0; i < row.size(); ++i) width[i] = std::max(width[i], row[i].size());
+  }
+  auto line = [&](const std::vector<std::string>& cells) {
+    for (size_t i = 0; i < cells.size(); ++i) {
+      std::cout << std::left << std::setw(static_cast<int>(width[i]) + 2) << cells[i];
+    }
+    std::cout << "\n";
+  };
+  line(headers);
+  for (const auto& row : rows) line(row);
+}
+
+void print_volumes(const Json& volumes) {
+  std::vector<std::vector<std::string>> rows;
+  for (const Json& v : volumes) {
+    rows.push_back({text(v["id"]), text(v["name"]), human_size(v["size"].get<uint64_t>()),
+                    text(v["status"]), text(v["multiattach"]), text(v["bootable"]),
+                    std::to_string(v["attachments"].size())});
+  }
+  print_table({"ID", "NAME", "SIZE", "STATUS", "MULTIATTACH", "BOOTABLE", "ATTACHMENTS"}, rows);
+}
+
+void print_attachments(const Json& attachments) {
+  std::vector<std::vector<std::string>> rows;
+  for (const Json& a : attachments) {
+    rows.push_back({text(a["id"]), text(a["volume_id"]), text(a["instance_uuid"]),
+                    text(a["attached_host"]), text(a["mode"]), text(a["attach_status"]),
+                    text(a["connections"])});
+  }
+  print_table({"ID", "VOLUME", "INSTANCE", "HOST", "MODE", "STATUS", "CONNECTIONS"}, rows);
+}
+
+void print_object(const Json& object) {
+  std::vector<std::vector<std::string>> rows;
+  for (const auto& [key, value] : object.items()) {
+    if (key == "attachments") continue;
+    std::string cell = key == "connection_info" && value.is_object()
+                           ? text(value["data"]["uri"])
+                           : text(value);
+    rows.push_back({key, cell});
+  }
+  print_table({"FIELD", "VALUE"}, rows);
+  if (object.contains("attachments") && !object["attachments"].empty()) {
+    std::cout << "\n";
+    print_attachments(object["attachments"]);
+  }
+}
+
+// Parses a subcommand's own arguments: `positional` names fill in order, then options.
+po::variables_map parse(const std::vector<std::string>& args, po::options_description options,
+                        const std::vector<std::string>& positional) {
+  po::positional_options_description pos;
+  for (const auto& name : positional) {
+    options.add_options()(name.c_str(), po::value<std::string>()->required(), "");
+    pos.add(name.c_str(), 1);
+  }
+  po::variables_map vm;
+  po::store(po::command_line_parser(args).options(options).positional(pos).run(), vm);
+  po::notify(vm);
+  return vm;
+}
+
+std::string get(const po::variables_map& vm, const char* name) {
+  return vm[name].as<std::string>();
+}
+
+Json size_value(const std::string& s) {
+  if (!s.empty() && s.find_first_not_of("0123456789") == std::string::npos) {
+    return Json(std::stoull(s));
+  }
+  return Json(s);
+}
+
+Json connector_from(const po::variables_map& vm) {
+  if (!vm.count("connector-host")) return nullptr;
+  Json c{{"host", get(vm, "connector-host")}, {"transport", get(vm, "transport")}};
+  if (vm.count("ip")) c["ip"] = get(vm, "ip");
+  return c;
+}
+
+po::options_description connector_options() {
+  po::options_description d("connector");
+  // clang-format off
+  d.add_options()
+    ("connector-host", po::value<std::string>(), "the host that connects (makes a connector)")
+    ("transport", po::value<std::string>()->default_value("unix"), "unix or tcp")
+    ("ip", po::value<std::string>(), "accept TCP connections only from this address");
+  // clang-format on
+  return d;
+}
+
+struct Command {
+  const char* name;
+  const char* summary;
+  // Builds the method's params from the subcommand's arguments.
+  Json (*params)(const std::vector<std::string>& args);
+  enum class View { Volume, Volumes, Attachment, Attachments, Raw } view;
+};
+
+const Command kCommands[] = {
+    {"volume_create", "NAME SIZE [--multiattach] [--bootable]",
+     [](const std::vector<std::string>& args) {
+       po::options_description d;
+       d.add_options()("multiattach", po::bool_switch())("bootable", po::bool_switch());
+       auto vm = parse(args, d, {"name", "size"});
+       return Json{{"name", get(vm, "name")},
+                   {"size", size_value(get(vm, "size"))},
+                   {"multiattach", vm["multiattach"].as<bool>()},
+                   {"bootable", vm["bootable"].as<bool>()}};
+     },
+     Command::View::Volume},
+    {"volume_list", "", [](const std::vector<std::string>& args) {
+       parse(args, {}, {});
+       return Json::object();
+     },
+     Command::View::Volumes},
+    {"volume_show", "VOLUME_ID", [](const std::vector<std::string>& args) {
+       return Json{{"volume_id", get(parse(args, {}, {"volume_id"}), "volume_id")}};
+     },
+     Command::View::Volume},
+    {"volume_delete", "VOLUME_ID", [](const std::vector<std::string>& args) {
+       return Json{{"volume_id", get(parse(args, {}, {"volume_id"}), "volume_id")}};
+     },
+     Command::View::Raw},
+    {"volume_extend", "VOLUME_ID SIZE", [](const std::vector<std::string>& args) {
+       auto vm = parse(args, {}, {"volume_id", "size"});
+       return Json{{"volume_id", get(vm, "volume_id")}, {"size", size_value(get(vm, "size"))}};
+     },
+     Command::View::Volume},
+    {"volume_update", "VOLUME_ID [--name N] [--multiattach true|false] [--bootable true|false]",
+     [](const std::vector<std::string>& args) {
+       po::options_description d;
+       d.add_options()("name", po::value<std::string>())("multiattach", po::value<bool>())(
+           "bootable", po::value<bool>());
+       auto vm = parse(args, d, {"volume_id"});
+       Json p{{"volume_id", get(vm, "volume_id")}};
+       if (vm.count("name")) p["name"] = get(vm, "name");
+       if (vm.count("multiattach")) p["multiattach"] = vm["multiattach"].as<bool>();
+       if (vm.count("bootable")) p["bootable"] = vm["bootable"].as<bool>();
+       return p;
+     },
+     Command::View::Volume},
+    {"attachment_create",
+     "VOLUME_ID INSTANCE_UUID [--host H] [--mode rw|ro] [--connector-host H [--transport "
+     "unix|tcp] [--ip IP]]",
+     [](const std::vector<std::string>& args) {
+       po::options_description d = connector_options();
+       d.add_options()("host", po::value<std::string>())(
+           "mode", po::value<std::string>()->default_value("rw"));
+       auto vm = parse(args, d, {"volume_id", "instance_uuid"});
+       Json p{{"volume_id", get(vm, "volume_id")},
+              {"instance_uuid", get(vm, "instance_uuid")},
+              {"mode", get(vm, "mode")}};
+       if (vm.count("host")) p["attached_host"] = get(vm, "host");
+       Json c = connector_from(vm);
+       if (!c.is_null()) p["connector"] = c;
+       return p;
+     },
+     Command::View::Attachment},
+    {"attachment_update", "ATTACHMENT_ID --connector-host H [--transport unix|tcp] [--ip IP]",
+     [](const std::vector<std::string>& args) {
+       auto vm = parse(args, connector_options(), {"attachment_id"});
+       Json c = connector_from(vm);
+       if (c.is_null()) throw UsageError("attachment_update needs --connector-host");
+       return Json{{"attachment_id", get(vm, "attachment_id")}, {"connector", c}};
+     },
+     Command::View::Attachment},
+    {"attachment_complete", "ATTACHMENT_ID", [](const std::vector<std::string>& args) {
+       return Json{{"attachment_id", get(parse(args, {}, {"attachment_id"}), "attachment_id")}};
+     },
+     Command::View::Attachment},
+    {"attachment_delete", "ATTACHMENT_ID", [](const std::vector<std::string>& args) {
+       return Json{{"attachment_id", get(parse(args, {}, {"attachment_id"}), "attachment_id")}};
+     },
+     Command::View::Attachment},
+    {"attachment_list", "[--volume-id V]", [](const std::vector<std::string>& args) {
+       po::options_description d;
+       d.add_options()("volume-id", po::value<std::string>());
+       auto vm = parse(args, d, {});
+       Json p = Json::object();
+       if (vm.count("volume-id")) p["volume_id"] = get(vm, "volume-id");
+       return p;
+     },
+     Command::View::Attachments},
+    {"attachment_show", "ATTACHMENT_ID", [](const std::vector<std::string>& args) {
+       return Json{{"attachment_id", get(parse(args, {}, {"attachment_id"}), "attachment_id")}};
+     },
+     Command::View::Attachment},
+    {"volume_detach", "VOLUME_ID [--attachment-id A]", [](const std::vector<std::string>& args) {
+       po::options_description d;
+       d.add_options()("attachment-id", po::value<std::string>());
+       auto vm = parse(args, d, {"volume_id"});
+       Json p{{"volume_id", get(vm, "volume_id")}};
+       if (vm.count("attachment-id")) p["attachment_id"] = get(vm, "attachment-id");
+       return p;
+     },
+     Command::View::Attachment},
+};
+
+void usage(std::ostream& out, const po::options_description& global) {
+  out << "usage: shareblk [--socket PATH] [--json] COMMAND [ARGS]\n\ncommands:\n";
+  for (const Command& c : kCommands) {
+    std::string name = c.name;
+    std::replace(name.begin(), name.end(), '_', '-');
+    out << "  " << name << " " << c.summary << "\n";
+  }
+  out << "  call METHOD [JSON_PARAMS]   any method, params as a JSON object\n\n" << global;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  po::options_description global("options");
+  const char* env_socket = std::getenv("SHAREBLK_SOCKET");
+  // clang-format off
+  global.add_options()
+    ("help,h", "show this help")
+    ("socket", po::value<std::string>()->default_value(env_socket ? env_socket : "./var/shareblk.sock"),
+     "control socket (also $SHAREBLK_SOCKET)")
+    ("json", po::bool_switch(), "print the result as JSON")
+    ("command", po::value<std::string>(), "")
+    ("args", po::value<std::vector<std::string>>(), "");
+  // clang-format on
+  po::positional_options_description pos;
+  pos.add("command", 1).add("args", -1);
+  po::variables_map vm;
+  std::vector<std::string> rest;
+  try {
+    auto parsed = po::command_line_parser(argc, argv)
+                      .options(global)
+                      .positional(pos)
+                      .allow_unregistered()
+                      .run();
+    po::store(parsed, vm);
+    po::notify(vm);
+    rest = po::collect_unrecognized(parsed.options, po::include_positional);
+  } catch (const std::exception& e) {
+    std::cerr << "shareblk: " << e.what() << "\n";
+    return 2;
+  }
+  if (vm.count("help") || !vm.count("command")) {
+    usage(vm.count("help") ? std::cout : std::cerr, global);
+    return vm.count("help") ? 0 : 2;
+  }
+  std::string command = vm["command"].as<std::string>();
+  std::replace(command.begin(), command.end(), '-', '_');
+  // collect_unrecognized with include_positional returns the command too: drop it.
+  if (!rest.empty() && rest.front() == vm["command"].as<std::string>()) rest.erase(rest.begin());
+
+  std::string method;
+  Json params;
+  Command::View view = Command::View::Raw;
+  try {
+    if (command == "call") {
+      if (rest.empty() || rest.size() > 2) throw UsageError("call METHOD [JSON_PARAMS]");
+      method = rest[0];
+      params = rest.size() == 2 ? Json::parse(rest[1]) : Json::object();
+    } else {
+      const Command* found = nullptr;
+      for (const Command& c : kCommands) {
+        if (command == c.name) found = &c;
+      }
+      if (!found) throw UsageError("unknown command '" + vm["command"].as<std::string>() + "'");
+      method = found->name;
+      params = found->params(rest);
+      view = found->view;
+    }
+  } catch (const std::exception& e) {
+    std::cerr << "shareblk: " << e.what() << "\n";
+    return 2;
+  }
+
+  Json response;
+  try {
+    response = rpc(vm["socket"].as<std::string>(), method, params);
+  } catch (const std::exception& e) {
+    std::cerr << "shareblk: " << e.what() << "\n";
+    return 3;
+  }
+  if (response.contains("error")) {
+    const Json& error = response["error"];
+    std::string reason = error.contains("data") ? text(error["data"].value("reason", Json())) : "";
+    if (vm["json"].as<bool>()) {
+      std::cout << error.dump(2) << "\n";
+    }
+    std::cerr << "shareblk: " << method << " failed: " << reason << ": "
+              << text(error.value("message", Json())) << "\n";
+    return 1;
+  }
+  const Json& result = response["result"];
+  if (vm["json"].as<bool>()) {
+    std::cout << result.dump(2) << "\n";
+    return 0;
+  }
+  switch (view) {
+    case Command::View::Volumes:
+      print_volumes(result);
+      break;
+    case Command::View::Attachments:
+      print_attachments(result);
+      break;
+    case Command::View::Volume:
+    case Command::View::Attachment:
+      print_object(result);
+      break;
+    case Command::View::Raw:
+      std::cout << result.dump(2) << "\n";
+      break;
+  }
+  return 0;
+}

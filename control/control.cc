@@ -1,0 +1,283 @@
+// JSON-RPC 2.0 framing and the control socket.
+#include "control/control.h"
+
+#include <spdlog/spdlog.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <condition_variable>
+#include <cstring>
+#include <thread>
+#include <unordered_set>
+
+#include "control/service.h"
+
+namespace shareblk::control {
+
+namespace {
+
+// JSON-RPC 2.0 codes; the API's own errors use -32000 and below, one per reason, and every
+// error carries data.reason so that scripts need not know the numbers.
+constexpr int kParseError = -32700;
+constexpr int kInvalidRequest = -32600;
+constexpr int kMethodNotFound = -32601;
+
+int code_for(const std::string& reason) {
+  static const std::pair<const char*, int> kCodes[] = {
+      {"invalid_params", -32602},        {"internal", -32603},
+      {"not_found", -32001},             {"volume_in_use", -32002},
+      {"not_multiattach", -32003},       {"attachment_id_required", -32004},
+      {"duplicate_attachment", -32005},  {"policy_denied", -32006},
+      {"invalid_state", -32007},         {"no_space", -32008},
+  };
+  for (const auto& [name, code] : kCodes) {
+    if (reason == name) return code;
+  }
+  return -32603;
+}
+
+Json error_response(const Json& id, int code, const std::string& reason,
+                    const std::string& message) {
+  return Json{{"jsonrpc", "2.0"},
+              {"id", id},
+              {"error", {{"code", code}, {"message", message}, {"data", {{"reason", reason}}}}}};
+}
+
+// A control socket line may not be longer than this; a longer one is answered with a parse
+// error and skipped.
+constexpr size_t kMaxLine = 1 << 20;
+
+class Catalog final : public target::ExportCatalog {
+ public:
+  explicit Catalog(Service& service) : service_(service) {}
+  Lookup resolve(const std::string& name, const target::Peer& peer) override {
+    try {
+      return service_.resolve(name, peer);
+    } catch (const std::exception& e) {
+      spdlog::error("control: resolving an export failed: {}", e.what());
+      return {};
+    }
+  }
+  // Attachment export names are capabilities: NBD_OPT_LIST shows none of them.
+  std::vector<std::string> listable() override { return {}; }
+
+ private:
+  Service& service_;
+};
+
+}  // namespace
+
+struct ControlPlane::Impl {
+  Impl(const std::string& db_path, lvm::VolumeStore& store, Policy policy)
+      : service(db_path, store, policy), catalog(std::make_shared<Catalog>(service)) {}
+
+  Json handle_one(const Json& request, const Caller& caller);
+  std::string handle(const std::string& line, const Caller& caller);
+  void accept_loop();
+  void serve_client(int fd);
+
+  Service service;
+  std::shared_ptr<Catalog> catalog;
+
+  int listen_fd = -1;
+  std::string socket_path;
+  std::thread acceptor;
+  std::mutex mutex;
+  std::condition_variable idle;
+  std::unordered_set<int> clients;
+  bool stopping = false;
+};
+
+ControlPlane::ControlPlane(const std::string& db_path, lvm::VolumeStore& store, Policy policy)
+    : impl_(std::make_unique<Impl>(db_path, store, policy)) {}
+
+ControlPlane::~ControlPlane() { stop(); }
+
+std::shared_ptr<target::ExportCatalog> ControlPlane::catalog() { return impl_->catalog; }
+
+void ControlPlane::bind(target::Server* server, Endpoints endpoints) {
+  impl_->service.bind(server, std::move(endpoints));
+}
+
+Json ControlPlane::Impl::handle_one(const Json& request, const Caller& caller) {
+  if (!request.is_object()) {
+    return error_response(nullptr, kInvalidRequest, "invalid_params", "a request is an object");
+  }
+  const bool notification = !request.contains("id");
+  Json id = notification ? Json(nullptr) : request["id"];
+  if (!id.is_null() && !id.is_string() && !id.is_number()) {
+    return error_response(nullptr, kInvalidRequest, "invalid_params",
+                          "id must be a string, a number or null");
+  }
+  auto respond = [&](Json response) { return notification ? Json() : response; };
+  if (request.value("jsonrpc", "") != "2.0" || !request.contains("method") ||
+      !request["method"].is_string()) {
+    return respond(error_response(id, kInvalidRequest, "invalid_params",
+                                  "a request needs \"jsonrpc\": \"2.0\" and a method name"));
+  }
+  const std::string method = request["method"].get<std::string>();
+  if (!service.has_method(method)) {
+    return respond(error_response(id, kMethodNotFound, "not_found",
+                                  "unknown method '" + method + "'"));
+  }
+  Json params = request.contains("params") ? request["params"] : Json::object();
+  if (params.is_null()) params = Json::object();
+  if (!params.is_object()) {
+    return respond(error_response(id, code_for("invalid_params"), "invalid_params",
+                                  "params must be an object"));
+  }
+  try {
+    Json result = service.call(method, params);
+    spdlog::info("control: uid={} pid={} {}: ok", caller.uid, caller.pid, method);
+    return respond(Json{{"jsonrpc", "2.0"}, {"id", id}, {"result", std::move(result)}});
+  } catch (const ApiError& e) {
+    spdlog::info("control: uid={} pid={} {}: {} ({})", caller.uid, caller.pid, method, e.reason,
+                 e.what());
+    return respond(error_response(id, code_for(e.reason), e.reason, e.what()));
+  } catch (const std::exception& e) {
+    spdlog::error("control: uid={} pid={} {}: internal error: {}", caller.uid, caller.pid, method,
+                  e.what());
+    return respond(error_response(id, code_for("internal"), "internal", e.what()));
+  }
+}
+
+std::string ControlPlane::handle(const std::string& line, const Caller& caller) {
+  return impl_->handle(line, caller);
+}
+
+std::string ControlPlane::Impl::handle(const std::string& line, const Caller& caller) {
+  Json request = Json::parse(line, nullptr, /*allow_exceptions=*/false);
+  if (request.is_discarded()) {
+    return error_response(nullptr, kParseError, "invalid_params", "not valid JSON").dump();
+  }
+  if (request.is_array()) {  // a batch
+    if (request.empty()) {
+      return error_response(nullptr, kInvalidRequest, "invalid_params", "empty batch").dump();
+    }
+    Json responses = Json::array();
+    for (const Json& one : request) {
+      Json response = handle_one(one, caller);
+      if (!response.is_null()) responses.push_back(std::move(response));
+    }
+    return responses.empty() ? std::string() : responses.dump();
+  }
+  Json response = handle_one(request, caller);
+  return response.is_null() ? std::string() : response.dump();
+}
+
+std::error_code ControlPlane::listen(const std::string& path) {
+  Impl& s = *impl_;
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  if (path.size() >= sizeof addr.sun_path) return std::make_error_code(std::errc::filename_too_long);
+  std::memcpy(addr.sun_path, path.c_str(), path.size() + 1);
+  struct stat st {};
+  if (::lstat(path.c_str(), &st) == 0 && S_ISSOCK(st.st_mode)) ::unlink(path.c_str());
+  int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return {errno, std::generic_category()};
+  if (::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0 ||
+      ::chmod(path.c_str(), 0660) != 0 || ::listen(fd, SOMAXCONN) != 0) {
+    std::error_code ec(errno, std::generic_category());
+    ::close(fd);
+    return ec;
+  }
+  s.listen_fd = fd;
+  s.socket_path = path;
+  s.acceptor = std::thread([&s] { s.accept_loop(); });
+  return {};
+}
+
+void ControlPlane::Impl::accept_loop() {
+  for (;;) {
+    int fd = ::accept4(listen_fd, nullptr, nullptr, SOCK_CLOEXEC);
+    if (fd < 0) {
+      if (errno == EINTR || errno == ECONNABORTED) continue;
+      if (errno == EMFILE || errno == ENFILE) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(100));
+        continue;
+      }
+      return;
+    }
+    std::lock_guard lock(mutex);
+    if (stopping) {
+      ::close(fd);
+      continue;
+    }
+    clients.insert(fd);
+    std::thread([this, fd] { serve_client(fd); }).detach();
+  }
+}
+
+void ControlPlane::Impl::serve_client(int fd) {
+  Caller caller;
+  ucred cred{};
+  socklen_t len = sizeof cred;
+  if (::getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) == 0) {
+    caller.pid = cred.pid;
+    caller.uid = cred.uid;
+  }
+  std::string buffer;
+  bool skipping = false;  // inside an over-long line
+  char chunk[65536];
+  for (;;) {
+    ssize_t n = ::recv(fd, chunk, sizeof chunk, 0);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) break;
+    buffer.append(chunk, static_cast<size_t>(n));
+    size_t start = 0;
+    for (size_t nl; (nl = buffer.find('\n', start)) != std::string::npos; start = nl + 1) {
+      std::string line = buffer.substr(start, nl - start);
+      if (skipping) {
+        skipping = false;
+        continue;
+      }
+      if (line.find_first_not_of(" \t\r") == std::string::npos) continue;  // blank line
+      std::string reply = handle(line, caller);
+      if (reply.empty()) continue;
+      reply += '\n';
+      const char* p = reply.data();
+      size_t left = reply.size();
+      while (left > 0) {
+        ssize_t w = ::send(fd, p, left, MSG_NOSIGNAL);
+        if (w < 0 && errno == EINTR) continue;
+        if (w <= 0) break;
+        p += w;
+        left -= static_cast<size_t>(w);
+      }
+    }
+    buffer.erase(0, start);
+    if (buffer.size() > kMaxLine) {
+      std::string reply =
+          error_response(nullptr, kParseError, "invalid_params", "line too long").dump() + "\n";
+      ::send(fd, reply.data(), reply.size(), MSG_NOSIGNAL);
+      buffer.clear();
+      skipping = true;
+    }
+  }
+  std::lock_guard lock(mutex);
+  clients.erase(fd);
+  ::close(fd);
+  idle.notify_all();
+}
+
+void ControlPlane::stop() {
+  Impl& s = *impl_;
+  {
+    std::lock_guard lock(s.mutex);
+    if (s.stopping) return;
+    s.stopping = true;
+  }
+  if (s.listen_fd >= 0) {
+    ::shutdown(s.listen_fd, SHUT_RDWR);
+    if (s.acceptor.joinable()) s.acceptor.join();
+    ::close(s.listen_fd);
+    ::unlink(s.socket_path.c_str());
+  }
+  std::unique_lock lock(s.mutex);
+  for (int fd : s.clients) ::shutdown(fd, SHUT_RDWR);
+  s.idle.wait(lock, [&] { return s.clients.empty(); });
+}
+
+}  // namespace shareblk::control

@@ -1,0 +1,68 @@
+// control: the attachment API (JSON-RPC 2.0 over a local Unix socket, one JSON object per
+// line each way), its state in SQLite, and the export catalog the NBD target resolves
+// client export names against.
+//
+// The semantics follow OpenStack Cinder's attachment API (microversions 3.44-3.50): a volume is
+// attached through attachments, each with its own mode and export name; a volume that is not
+// multiattach holds at most one live attachment; all changes to one volume's attachments are
+// serialized.
+#pragma once
+
+#include <sys/types.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <system_error>
+
+#include "lvm/volume_store.h"
+#include "target/target.h"
+
+namespace shareblk::control {
+
+struct Policy {
+  bool allow_multiattach = true;           // may volumes be (made) multiattach at all
+  bool allow_multiattach_bootable = true;  // may a bootable volume have several attachments
+};
+
+// Where NBD clients reach this daemon; connection_info URIs are built from it.
+struct Endpoints {
+  std::string unix_socket;  // empty: no Unix listener
+  std::string tcp;          // "HOST:PORT", empty: no TCP listener
+};
+
+// Who called, from SO_PEERCRED; logged with every call.
+struct Caller {
+  pid_t pid = 0;
+  uid_t uid = 0;
+};
+
+class ControlPlane {
+ public:
+  // Opens (creating when new) the state database at `db_path`. Attachments that were being
+  // detached when the daemon died are completed as detached. Throws std::runtime_error.
+  ControlPlane(const std::string& db_path, lvm::VolumeStore& store, Policy policy);
+  ~ControlPlane();
+  ControlPlane(const ControlPlane&) = delete;
+  ControlPlane& operator=(const ControlPlane&) = delete;
+
+  // The catalog the NBD server resolves export names with: live attachments only.
+  std::shared_ptr<target::ExportCatalog> catalog();
+
+  // Must be called before serving: detach closes connections through `server`.
+  void bind(target::Server* server, Endpoints endpoints);
+
+  // One JSON-RPC request (or batch) in, the response line out ("" for notifications).
+  std::string handle(const std::string& line, const Caller& caller);
+
+  // Serves the control socket at `path` (mode 0660) on a thread of its own.
+  std::error_code listen(const std::string& path);
+  void stop();
+
+  struct Impl;
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace shareblk::control

@@ -1,0 +1,229 @@
+#include "control/db.h"
+
+#include <memory>
+
+namespace shareblk::control {
+
+namespace {
+
+const char* kSchema = R"sql(
+CREATE TABLE IF NOT EXISTS volumes (
+  id          TEXT PRIMARY KEY,
+  name        TEXT NOT NULL,
+  size        INTEGER NOT NULL CHECK (size > 0),
+  multiattach INTEGER NOT NULL,
+  bootable    INTEGER NOT NULL,
+  created_at  TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS volume_attachment (
+  id            TEXT PRIMARY KEY,
+  volume_id     TEXT NOT NULL REFERENCES volumes(id) ON DELETE CASCADE,
+  instance_uuid TEXT NOT NULL,
+  attached_host TEXT NOT NULL,
+  mode          TEXT NOT NULL CHECK (mode IN ('rw', 'ro')),
+  attach_status TEXT NOT NULL,
+  attach_time   TEXT NOT NULL,
+  detach_time   TEXT NOT NULL,
+  connector     TEXT NOT NULL,
+  export_name   TEXT NOT NULL UNIQUE,
+  created_at    TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS attachment_by_volume ON volume_attachment(volume_id);
+)sql";
+
+// A prepared statement, finalized on scope exit.
+class Statement {
+ public:
+  Statement(sqlite3* db, const char* sql) : db_(db) {
+    if (sqlite3_prepare_v2(db, sql, -1, &stmt_, nullptr) != SQLITE_OK) fail();
+  }
+  ~Statement() { sqlite3_finalize(stmt_); }
+  Statement(const Statement&) = delete;
+  Statement& operator=(const Statement&) = delete;
+
+  Statement& bind(int i, const std::string& v) {
+    check(sqlite3_bind_text(stmt_, i, v.data(), static_cast<int>(v.size()), SQLITE_TRANSIENT));
+    return *this;
+  }
+  Statement& bind(int i, int64_t v) {
+    check(sqlite3_bind_int64(stmt_, i, v));
+    return *this;
+  }
+  // True while there is a row.
+  bool step() {
+    int rc = sqlite3_step(stmt_);
+    if (rc == SQLITE_ROW) return true;
+    if (rc != SQLITE_DONE) fail();
+    return false;
+  }
+  std::string text(int col) const {
+    const auto* p = sqlite3_column_text(stmt_, col);
+    return p ? std::string(reinterpret_cast<const char*>(p)) : std::string();
+  }
+  int64_t integer(int col) const { return sqlite3_column_int64(stmt_, col); }
+
+ private:
+  void check(int rc) {
+    if (rc != SQLITE_OK) fail();
+  }
+  [[noreturn]] void fail() { throw DbError(std::string("sqlite: ") + sqlite3_errmsg(db_)); }
+  sqlite3* db_;
+  sqlite3_stmt* stmt_ = nullptr;
+};
+
+constexpr const char* kVolumeColumns = "id, name, size, multiattach, bootable, created_at";
+constexpr const char* kAttachmentColumns =
+    "id, volume_id, instance_uuid, attached_host, mode, attach_status, attach_time, "
+    "detach_time, connector, export_name, created_at";
+
+VolumeRow volume_from(const Statement& s) {
+  return VolumeRow{s.text(0),          s.text(1),          static_cast<uint64_t>(s.integer(2)),
+                   s.integer(3) != 0,  s.integer(4) != 0,  s.text(5)};
+}
+
+AttachmentRow attachment_from(const Statement& s) {
+  return AttachmentRow{s.text(0), s.text(1), s.text(2), s.text(3), s.text(4), s.text(5),
+                       s.text(6), s.text(7), s.text(8), s.text(9), s.text(10)};
+}
+
+void bind_attachment(Statement& s, const AttachmentRow& a) {
+  s.bind(1, a.id).bind(2, a.volume_id).bind(3, a.instance_uuid).bind(4, a.attached_host);
+  s.bind(5, a.mode).bind(6, a.attach_status).bind(7, a.attach_time).bind(8, a.detach_time);
+  s.bind(9, a.connector).bind(10, a.export_name).bind(11, a.created_at);
+}
+
+}  // namespace
+
+Database::Database(const std::string& path) {
+  if (sqlite3_open_v2(path.c_str(), &db_,
+                      SQLITE_OPEN_READWRITE | SQLITE_OPEN_CREATE | SQLITE_OPEN_FULLMUTEX,
+                      nullptr) != SQLITE_OK) {
+    std::string message = db_ ? sqlite3_errmsg(db_) : "out of memory";
+    sqlite3_close(db_);
+    db_ = nullptr;
+    throw DbError("cannot open " + path + ": " + message);
+  }
+  sqlite3_busy_timeout(db_, 5000);
+  exec("PRAGMA journal_mode=WAL");
+  exec("PRAGMA synchronous=FULL");
+  exec("PRAGMA foreign_keys=ON");
+  exec(kSchema);
+}
+
+Database::~Database() { sqlite3_close(db_); }
+
+void Database::exec(const char* sql) {
+  char* message = nullptr;
+  if (sqlite3_exec(db_, sql, nullptr, nullptr, &message) != SQLITE_OK) {
+    std::string text = message ? message : "unknown error";
+    sqlite3_free(message);
+    throw DbError("sqlite: " + text);
+  }
+}
+
+Database::Transaction::Transaction(Database& db) : db_(db), lock_(db.mutex_) {
+  db_.exec("BEGIN IMMEDIATE");
+}
+
+Database::Transaction::~Transaction() {
+  if (!done_) {
+    try {
+      db_.exec("ROLLBACK");
+    } catch (const DbError&) {  // nothing more to do: the transaction is gone either way
+    }
+  }
+}
+
+void Database::Transaction::commit() {
+  db_.exec("COMMIT");
+  done_ = true;
+}
+
+std::vector<VolumeRow> Database::Transaction::volumes() {
+  Statement s(db_.db_, (std::string("SELECT ") + kVolumeColumns +
+                        " FROM volumes ORDER BY created_at, id").c_str());
+  std::vector<VolumeRow> rows;
+  while (s.step()) rows.push_back(volume_from(s));
+  return rows;
+}
+
+std::optional<VolumeRow> Database::Transaction::volume(const std::string& id) {
+  Statement s(db_.db_,
+              (std::string("SELECT ") + kVolumeColumns + " FROM volumes WHERE id = ?").c_str());
+  s.bind(1, id);
+  if (!s.step()) return std::nullopt;
+  return volume_from(s);
+}
+
+void Database::Transaction::insert_volume(const VolumeRow& v) {
+  Statement s(db_.db_, "INSERT INTO volumes (id, name, size, multiattach, bootable, created_at) "
+                       "VALUES (?, ?, ?, ?, ?, ?)");
+  s.bind(1, v.id).bind(2, v.name).bind(3, static_cast<int64_t>(v.size));
+  s.bind(4, int64_t{v.multiattach}).bind(5, int64_t{v.bootable}).bind(6, v.created_at);
+  s.step();
+}
+
+void Database::Transaction::update_volume(const VolumeRow& v) {
+  Statement s(db_.db_,
+              "UPDATE volumes SET name = ?, size = ?, multiattach = ?, bootable = ? WHERE id = ?");
+  s.bind(1, v.name).bind(2, static_cast<int64_t>(v.size)).bind(3, int64_t{v.multiattach});
+  s.bind(4, int64_t{v.bootable}).bind(5, v.id);
+  s.step();
+}
+
+void Database::Transaction::delete_volume(const std::string& id) {
+  Statement a(db_.db_, "DELETE FROM volume_attachment WHERE volume_id = ?");
+  a.bind(1, id);
+  a.step();
+  Statement v(db_.db_, "DELETE FROM volumes WHERE id = ?");
+  v.bind(1, id);
+  v.step();
+}
+
+std::vector<AttachmentRow> Database::Transaction::attachments(const std::string& volume_id) {
+  std::string sql = std::string("SELECT ") + kAttachmentColumns + " FROM volume_attachment";
+  if (!volume_id.empty()) sql += " WHERE volume_id = ?";
+  sql += " ORDER BY created_at, id";
+  Statement s(db_.db_, sql.c_str());
+  if (!volume_id.empty()) s.bind(1, volume_id);
+  std::vector<AttachmentRow> rows;
+  while (s.step()) rows.push_back(attachment_from(s));
+  return rows;
+}
+
+std::optional<AttachmentRow> Database::Transaction::attachment(const std::string& id) {
+  Statement s(db_.db_, (std::string("SELECT ") + kAttachmentColumns +
+                        " FROM volume_attachment WHERE id = ?").c_str());
+  s.bind(1, id);
+  if (!s.step()) return std::nullopt;
+  return attachment_from(s);
+}
+
+std::optional<AttachmentRow> Database::Transaction::attachment_by_export(
+    const std::string& export_name) {
+  Statement s(db_.db_, (std::string("SELECT ") + kAttachmentColumns +
+                        " FROM volume_attachment WHERE export_name = ?").c_str());
+  s.bind(1, export_name);
+  if (!s.step()) return std::nullopt;
+  return attachment_from(s);
+}
+
+void Database::Transaction::insert_attachment(const AttachmentRow& a) {
+  Statement s(db_.db_,
+              "INSERT INTO volume_attachment (id, volume_id, instance_uuid, attached_host, mode, "
+              "attach_status, attach_time, detach_time, connector, export_name, created_at) "
+              "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)");
+  bind_attachment(s, a);
+  s.step();
+}
+
+void Database::Transaction::update_attachment(const AttachmentRow& a) {
+  Statement s(db_.db_,
+              "UPDATE volume_attachment SET id = ?, volume_id = ?, instance_uuid = ?, "
+              "attached_host = ?, mode = ?, attach_status = ?, attach_time = ?, detach_time = ?, "
+              "connector = ?, export_name = ?, created_at = ? WHERE id = ?1");
+  bind_attachment(s, a);
+  s.step();
+}
+
+}  // namespace shareblk::control

@@ -1,0 +1,82 @@
+// Internal to control/: the attachment API's methods and state machine.
+#pragma once
+
+#include <map>
+#include <memory>
+#include <mutex>
+#include <nlohmann/json.hpp>
+#include <stdexcept>
+#include <string>
+
+#include "control/control.h"
+#include "control/db.h"
+
+namespace shareblk::control {
+
+using Json = nlohmann::json;
+
+// A refused call: `reason` is one of the API's error reasons (invalid_params, not_found,
+// volume_in_use, not_multiattach, attachment_id_required, duplicate_attachment,
+// policy_denied, invalid_state, no_space, internal).
+struct ApiError : std::runtime_error {
+  ApiError(std::string why, const std::string& message)
+      : std::runtime_error(message), reason(std::move(why)) {}
+  std::string reason;
+};
+
+class Service {
+ public:
+  Service(const std::string& db_path, lvm::VolumeStore& store, Policy policy);
+
+  void bind(target::Server* server, Endpoints endpoints);
+
+  // Runs one method. Throws ApiError (and DbError for a broken database).
+  Json call(const std::string& method, const Json& params);
+  bool has_method(const std::string& method) const;
+
+  target::ExportCatalog::Lookup resolve(const std::string& export_name,
+                                        const target::Peer& peer);
+
+ private:
+  Json volume_create(const Json& p);
+  Json volume_list(const Json& p);
+  Json volume_show(const Json& p);
+  Json volume_delete(const Json& p);
+  Json volume_extend(const Json& p);
+  Json volume_update(const Json& p);
+  Json attachment_create(const Json& p);
+  Json attachment_update(const Json& p);
+  Json attachment_complete(const Json& p);
+  Json attachment_delete(const Json& p);
+  Json attachment_list(const Json& p);
+  Json attachment_show(const Json& p);
+  Json volume_detach(const Json& p);
+
+  // Serializes every change to one volume and its attachments.
+  std::shared_ptr<std::mutex> volume_lock(const std::string& volume_id);
+  std::shared_ptr<backend::Volume> open_volume(const std::string& volume_id);
+  void forget_volume(const std::string& volume_id);
+
+  void connect(Database::Transaction& tx, AttachmentRow& a, const Json& connector);
+  Json detach(const std::string& volume_id, const std::string& attachment_id);
+  AttachmentRow find_attachment(Database::Transaction& tx, const std::string& id);
+  VolumeRow find_volume(Database::Transaction& tx, const std::string& id);
+
+  Json volume_json(Database::Transaction& tx, const VolumeRow& v);
+  Json attachment_json(const AttachmentRow& a, const VolumeRow& v);
+  Json connection_info(const AttachmentRow& a, const VolumeRow& v);
+  void reconcile();
+
+  Database db_;
+  lvm::VolumeStore& store_;
+  Policy policy_;
+  target::Server* server_ = nullptr;
+  Endpoints endpoints_;
+
+  std::mutex locks_mutex_;
+  std::map<std::string, std::shared_ptr<std::mutex>> volume_locks_;
+  std::mutex open_mutex_;
+  std::map<std::string, std::shared_ptr<backend::Volume>> open_volumes_;
+};
+
+}  // namespace shareblk::control

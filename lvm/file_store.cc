@@ -1,0 +1,115 @@
+// The embedded default store: one sparse file per volume.
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <filesystem>
+
+#include "lvm/volume_store.h"
+
+namespace shareblk::lvm {
+
+namespace {
+
+namespace fs = std::filesystem;
+
+StoreError from_errno(int err, const std::string& what) {
+  return {std::error_code(err, std::generic_category()),
+          what + ": " + std::generic_category().message(err)};
+}
+
+class FileVolumeStore final : public VolumeStore {
+ public:
+  explicit FileVolumeStore(fs::path dir) : dir_(std::move(dir)) {}
+
+  std::string kind() const override { return "file"; }
+
+  StoreError create(const std::string& id, uint64_t size) override {
+    const std::string path = path_of(id);
+    int fd = ::open(path.c_str(), O_CREAT | O_EXCL | O_WRONLY | O_CLOEXEC, 0600);
+    if (fd < 0) return from_errno(errno, "create " + path);
+    // Reserve the blocks now so that a full disk is a clear error at create time rather than
+    // an EIO in a guest later.
+    int err = ::posix_fallocate(fd, 0, static_cast<off_t>(size));
+    if (err == EOPNOTSUPP || err == EINVAL) {  // no fallocate on this file system: sparse
+      err = ::ftruncate(fd, static_cast<off_t>(size)) == 0 ? 0 : errno;
+    }
+    if (err == 0 && ::fsync(fd) != 0) err = errno;
+    ::close(fd);
+    if (err != 0) {
+      ::unlink(path.c_str());
+      return from_errno(err, "allocate " + std::to_string(size) + " bytes for " + path);
+    }
+    return {};
+  }
+
+  StoreError extend(const std::string& id, uint64_t size) override {
+    const std::string path = path_of(id);
+    int fd = ::open(path.c_str(), O_WRONLY | O_CLOEXEC);
+    if (fd < 0) return from_errno(errno, "open " + path);
+    struct stat st {};
+    int err = ::fstat(fd, &st) == 0 ? 0 : errno;
+    if (err == 0 && static_cast<uint64_t>(st.st_size) < size) {
+      err = ::posix_fallocate(fd, st.st_size, static_cast<off_t>(size) - st.st_size);
+      if (err == EOPNOTSUPP || err == EINVAL) {
+        err = ::ftruncate(fd, static_cast<off_t>(size)) == 0 ? 0 : errno;
+      }
+    }
+    if (err == 0 && ::fsync(fd) != 0) err = errno;
+    ::close(fd);
+    return err ? from_errno(err, "extend " + path) : StoreError{};
+  }
+
+  StoreError remove(const std::string& id) override {
+    const std::string path = path_of(id);
+    if (::unlink(path.c_str()) != 0 && errno != ENOENT) return from_errno(errno, "remove " + path);
+    return {};
+  }
+
+  StoreError open(const std::string& id, std::shared_ptr<backend::Volume>& out) override {
+    std::error_code ec;
+    out = backend::Volume::open(path_of(id), ec);
+    if (!out) return {ec, "open " + path_of(id) + ": " + ec.message()};
+    return {};
+  }
+
+  StoreError list(std::vector<std::string>& ids) override {
+    std::error_code ec;
+    for (const auto& entry : fs::directory_iterator(dir_, ec)) {
+      if (entry.path().extension() == ".img") ids.push_back(entry.path().stem().string());
+    }
+    if (ec) return {ec, "list " + dir_.string() + ": " + ec.message()};
+    return {};
+  }
+
+ private:
+  std::string path_of(const std::string& id) const { return (dir_ / (id + ".img")).string(); }
+  fs::path dir_;
+};
+
+}  // namespace
+
+std::unique_ptr<VolumeStore> make_file_store(const std::string& dir, StoreError& error) {
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  if (ec) {
+    error = {ec, "create " + dir + ": " + ec.message()};
+    return nullptr;
+  }
+  return std::make_unique<FileVolumeStore>(dir);
+}
+
+std::unique_ptr<VolumeStore> make_store(const std::string& spec, const std::string& state_dir,
+                                        StoreError& error) {
+  if (spec == "file") return make_file_store((fs::path(state_dir) / "volumes").string(), error);
+  if (spec.rfind("lvm:", 0) == 0 && spec.size() > 4) {
+    error = {std::make_error_code(std::errc::not_supported),
+             "the LVM store is not available in this build"};
+    return nullptr;
+  }
+  error = {std::make_error_code(std::errc::invalid_argument),
+           "--store wants 'file' or 'lvm:VG', got '" + spec + "'"};
+  return nullptr;
+}
+
+}  // namespace shareblk::lvm
