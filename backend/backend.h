@@ -10,6 +10,7 @@
 
 #include <sys/uio.h>
 
+#include <array>
 #include <atomic>
 #include <cstdint>
 #include <memory>
@@ -38,12 +39,23 @@ struct OpenOptions {
   bool direct = true;
 };
 
-// An open volume: a regular file or a block device, shared by every connection to it.
-// Thread-safe: all members are either immutable after open() or atomic.
+// `length` bytes at `offset` of the file or block device at `path`: one piece of a volume
+// laid out over other devices (an LVM logical volume read without device-mapper).
+struct MappedSegment {
+  std::string path;
+  uint64_t offset = 0;
+  uint64_t length = 0;
+};
+
+// An open volume: a regular file or a block device, or a map of segments on block devices.
+// Shared by every connection to it. Thread-safe: members are immutable after open, atomic, or
+// (segments) only ever appended to, published by a release store of their count.
 class Volume {
  public:
   static std::shared_ptr<Volume> open(const std::string& path, std::error_code& ec,
-                                       OpenOptions options = {});
+                                      OpenOptions options = {});
+  static std::shared_ptr<Volume> open_mapped(const std::vector<MappedSegment>& segments,
+                                             std::error_code& ec, OpenOptions options = {});
   ~Volume();
   Volume(const Volume&) = delete;
   Volume& operator=(const Volume&) = delete;
@@ -51,6 +63,7 @@ class Volume {
   const std::string& path() const { return path_; }
   uint64_t size() const { return size_.load(std::memory_order_acquire); }
   bool is_block_device() const { return block_device_; }
+  bool is_mapped() const { return mapped_; }
   bool is_direct() const { return direct_; }
   bool rotational() const { return rotational_; }
   // False when only a read-only descriptor could be opened.
@@ -58,30 +71,68 @@ class Volume {
   // Offsets, lengths and buffer addresses that O_DIRECT accepts are multiples of this.
   uint32_t direct_alignment() const { return direct_align_; }
 
-  // Re-reads the size after the volume grew (volume_extend). Returns errno.
+  // Re-reads the size of a file or block device after it grew (volume_extend). Returns errno.
   int refresh_size();
+  // Grows a mapped volume: `segments` is the whole new map, which must begin with the current
+  // one (the last current segment may have grown). Returns errno (EINVAL if it does not).
+  int remap(const std::vector<MappedSegment>& segments);
 
-  // The descriptor a request of this shape goes to: the O_DIRECT one when it is aligned,
-  // else the buffered one (the kernel keeps the two coherent for the same inode).
-  int fd_for(uint64_t offset, uint64_t length, const void* buf) const;
-  int buffered_fd() const { return buffered_fd_; }
+  // Where the bytes at `offset` live: a descriptor, the offset there, and how many bytes of
+  // `length` are contiguous from there. The descriptor is the O_DIRECT one when the range
+  // and `buf` are aligned, else the buffered one (the kernel keeps the two coherent).
+  // fd is -1 when `offset` is past the map.
+  struct Location {
+    int fd;
+    uint64_t offset;
+    uint64_t length;
+  };
+  Location locate(uint64_t offset, uint64_t length, const void* buf) const;
+  // The same, always with the buffered descriptor (fallocate, fadvise).
+  Location locate_buffered(uint64_t offset, uint64_t length) const {
+    return locate(offset, length, nullptr);
+  }
+
+  // The devices a flush must sync: one for a file or block device, each PV for a map.
+  size_t device_count() const { return device_count_.load(std::memory_order_acquire); }
+  int device_fd(size_t index) const { return devices_[index].buffered_fd; }
 
   // True once any byte may be unallocated; until then reads skip the hole scan.
   bool may_have_holes() const { return may_have_holes_.load(std::memory_order_relaxed); }
-  void note_holes() { may_have_holes_.store(true, std::memory_order_relaxed); }
+  void note_holes() {
+    if (!block_device_) may_have_holes_.store(true, std::memory_order_relaxed);
+  }
 
  private:
+  static constexpr size_t kMaxDevices = 32;
+  static constexpr size_t kMaxSegments = 256;
+  struct Device {
+    std::string path;
+    int direct_fd = -1;
+    int buffered_fd = -1;
+  };
+  struct Segment {
+    uint64_t start = 0;  // offset in the volume
+    std::atomic<uint64_t> length{0};
+    uint64_t device_offset = 0;
+    uint32_t device = 0;
+  };
+
   Volume() = default;
+  int add_device(const std::string& path, bool direct, uint32_t& index);
+
   std::string path_;
-  int direct_fd_ = -1;
-  int buffered_fd_ = -1;
   bool block_device_ = false;
+  bool mapped_ = false;
   bool direct_ = false;
   bool rotational_ = false;
   bool writable_ = true;
   uint32_t direct_align_ = 4096;
   std::atomic<uint64_t> size_{0};
   std::atomic<bool> may_have_holes_{true};
+  std::array<Device, kMaxDevices> devices_;
+  std::atomic<size_t> device_count_{0};
+  std::array<Segment, kMaxSegments> segments_;  // mapped volumes only
+  std::atomic<size_t> segment_count_{0};
 };
 
 // One extent of base:allocation status.
@@ -156,8 +207,9 @@ class IoRequest : public Completion {
   void complete(int res) final;
   class Ring* ring_ = nullptr;
   const Handle* handle_ = nullptr;
-  uint32_t progress_ = 0;   // bytes done so far (short transfers are resubmitted)
-  uint8_t stage_ = 0;       // see ring.cc
+  uint32_t progress_ = 0;  // bytes (or, for syncs, devices) done so far
+  uint32_t chunk_ = 0;     // bytes of the fallocate in flight
+  uint8_t stage_ = 0;      // see ring.cc
 };
 
 // One io_uring, owned by one thread. Socket and disk operations of that thread's connections

@@ -85,50 +85,47 @@ void Ring::submit(const Handle& handle, IoRequest* request) {
   start(request);
 }
 
-// Queues the next step of `r` according to its stage and progress.
+// Queues the next step of `r` according to its stage and progress. A step never crosses a
+// segment seam of a mapped volume: locate() clamps it, and completion goes on from there.
 void Ring::start(IoRequest* r) {
   const Volume& v = *r->handle_->volume();
-  io_uring_sqe* sqe = next_sqe();
-  io_uring_sqe_set_data(sqe, static_cast<Completion*>(r));
   const uint64_t offset = r->offset + r->progress_;
   const uint32_t remaining = r->length - r->progress_;
-  switch (r->stage_) {
-    case kSync:
-      io_uring_prep_fsync(sqe, v.buffered_fd(), IORING_FSYNC_DATASYNC);
-      return;
-    case kZeroFill: {
-      uint32_t n = std::min<uint32_t>(remaining, kZeroBufferSize);
-      const char* zeroes = zero_buffer();
-      io_uring_prep_write(sqe, v.fd_for(offset, n, zeroes), zeroes, n, offset);
-      return;
-    }
-    default:
-      break;
+  const bool sync = r->stage_ == kSync || (r->stage_ == kMain && r->op == Op::Flush);
+  Volume::Location at{};
+  char* data = r->buf + r->progress_;
+  if (sync) {
+    at.fd = v.device_fd(r->progress_);  // progress counts devices synced
+  } else if (r->stage_ == kZeroFill) {
+    data = const_cast<char*>(zero_buffer());
+    at = v.locate(offset, std::min<uint32_t>(remaining, kZeroBufferSize), data);
+  } else if (r->op == Op::Read || r->op == Op::Write) {
+    at = v.locate(offset, remaining, data);
+  } else {
+    at = v.locate_buffered(offset, remaining);
   }
-  switch (r->op) {
-    case Op::Read:
-      io_uring_prep_read(sqe, v.fd_for(offset, remaining, r->buf + r->progress_),
-                         r->buf + r->progress_, remaining, offset);
-      break;
-    case Op::Write:
-      io_uring_prep_write(sqe, v.fd_for(offset, remaining, r->buf + r->progress_),
-                          r->buf + r->progress_, remaining, offset);
-      if (r->flags & kFua) sqe->rw_flags = RWF_DSYNC;
-      break;
-    case Op::Flush:
-      io_uring_prep_fsync(sqe, v.buffered_fd(), IORING_FSYNC_DATASYNC);
-      break;
-    case Op::Trim:
-    case Op::WriteZeroes: {
-      int mode = fallocate_mode(v, r->op, r->flags);
-      if (mode & FALLOC_FL_PUNCH_HOLE) r->handle_->volume()->note_holes();
-      io_uring_prep_fallocate(sqe, v.buffered_fd(), mode, offset, remaining);
-      break;
-    }
-    case Op::Cache:
-      io_uring_prep_fadvise(sqe, v.buffered_fd(), offset, static_cast<off_t>(remaining),
-                            POSIX_FADV_WILLNEED);
-      break;
+  if (at.fd < 0) {  // past the map: admission makes this unreachable, but never submit it
+    r->done(EIO);
+    return;
+  }
+  io_uring_sqe* sqe = next_sqe();
+  io_uring_sqe_set_data(sqe, static_cast<Completion*>(r));
+  const auto length = static_cast<unsigned>(at.length);
+  if (sync) {
+    io_uring_prep_fsync(sqe, at.fd, IORING_FSYNC_DATASYNC);
+  } else if (r->stage_ == kZeroFill || r->op == Op::Write) {
+    io_uring_prep_write(sqe, at.fd, data, length, at.offset);
+    if (r->op == Op::Write && (r->flags & kFua)) sqe->rw_flags = RWF_DSYNC;
+  } else if (r->op == Op::Read) {
+    io_uring_prep_read(sqe, at.fd, data, length, at.offset);
+  } else if (r->op == Op::Cache) {
+    io_uring_prep_fadvise(sqe, at.fd, at.offset, static_cast<off_t>(length),
+                          POSIX_FADV_WILLNEED);
+  } else {  // Trim, WriteZeroes
+    int mode = fallocate_mode(v, r->op, r->flags);
+    if (mode & FALLOC_FL_PUNCH_HOLE) r->handle_->volume()->note_holes();
+    r->chunk_ = length;
+    io_uring_prep_fallocate(sqe, at.fd, mode, at.offset, length);
   }
 }
 
@@ -138,31 +135,42 @@ void IoRequest::complete(int res) {
     ring->start(this);
     return;
   }
-  // A zero-length request completes in one step whatever the result.
-  const bool transfers = op == Op::Read || op == Op::Write || stage_ == kZeroFill;
+  const Volume& v = *handle_->volume();
+  const bool sync = stage_ == kSync || (stage_ == kMain && op == Op::Flush);
   if (res < 0) {
-    if (stage_ == kMain && res == -EOPNOTSUPP) {
-      if (op == Op::Trim) res = 0;  // trim is a hint: a device that cannot discard ignores it
-      if (op == Op::WriteZeroes) {
-        if (flags & kFastZero) return done(ENOTSUP);
-        stage_ = kZeroFill;  // no fallocate here: write the zeroes
-        progress_ = 0;
-        ring->start(this);
-        return;
-      }
-    }
-    if (res < 0) return done(-res);
-  }
-  if (transfers && length > 0) {
-    if (res == 0) return done(EIO);  // end of file inside the volume: it shrank under us
-    progress_ += static_cast<uint32_t>(res);
-    if (progress_ < length) {  // a short transfer: go on from where it stopped
+    if (stage_ == kMain && res == -EOPNOTSUPP && op == Op::WriteZeroes) {
+      if (flags & kFastZero) return done(ENOTSUP);
+      stage_ = kZeroFill;  // no fallocate here: write the zeroes, from where it stopped
       ring->start(this);
       return;
     }
+    if (stage_ == kMain && res == -EOPNOTSUPP && op == Op::Trim) {
+      res = 0;  // trim is a hint: a device that cannot discard ignores it
+    } else {
+      return done(-res);
+    }
+  }
+  bool more = false;
+  if (sync) {
+    progress_ += 1;
+    more = progress_ < v.device_count();
+  } else if (op == Op::Cache) {
+    more = false;  // a hint: the first piece is enough
+  } else if (stage_ == kZeroFill || op == Op::Read || op == Op::Write) {
+    if (res == 0) return done(EIO);  // end of file inside the volume: it shrank under us
+    progress_ += static_cast<uint32_t>(res);  // a short transfer or a seam: go on from there
+    more = progress_ < length;
+  } else {  // Trim, WriteZeroes: fallocate does all of a piece or fails
+    progress_ += chunk_;
+    more = progress_ < length;
+  }
+  if (more) {
+    ring->start(this);
+    return;
   }
   if ((flags & kFua) && (op == Op::Trim || op == Op::WriteZeroes) && stage_ != kSync) {
     stage_ = kSync;
+    progress_ = 0;
     ring->start(this);
     return;
   }

@@ -37,27 +37,54 @@ bool read_rotational(dev_t rdev) {
 
 }  // namespace
 
+// Opens `path` for I/O (buffered, and O_DIRECT when asked and possible) as device `index`.
+int Volume::add_device(const std::string& path, bool direct, uint32_t& index) {
+  const size_t n = device_count_.load(std::memory_order_relaxed);
+  if (n == kMaxDevices) return EMFILE;
+  Device& d = devices_[n];
+  bool writable = true;
+  d.path = path;
+  d.buffered_fd = open_fd(path, 0, writable);
+  if (d.buffered_fd < 0) return errno;
+  writable_ = writable_ && writable;
+  d.direct_fd = d.buffered_fd;
+  if (direct) {
+    bool direct_writable = true;
+    int fd = open_fd(path, O_DIRECT, direct_writable);
+    if (fd >= 0) {
+      d.direct_fd = fd;
+    } else if (errno != EINVAL) {  // EINVAL: the file system has no O_DIRECT (tmpfs)
+      int err = errno;
+      ::close(d.buffered_fd);
+      return err;
+    }
+  }
+  index = static_cast<uint32_t>(n);
+  device_count_.store(n + 1, std::memory_order_release);
+  return 0;
+}
+
 std::shared_ptr<Volume> Volume::open(const std::string& path, std::error_code& ec,
                                      OpenOptions options) {
   std::shared_ptr<Volume> v(new Volume());
   v->path_ = path;
-  bool writable = true;
-  v->buffered_fd_ = open_fd(path, 0, writable);
-  if (v->buffered_fd_ < 0) {
-    ec.assign(errno, std::generic_category());
+  uint32_t index = 0;
+  if (int err = v->add_device(path, options.direct, index)) {
+    ec.assign(err, std::generic_category());
     return nullptr;
   }
-  v->writable_ = writable;
+  const Device& d = v->devices_[0];
+  v->direct_ = d.direct_fd != d.buffered_fd;
   struct stat st {};
-  if (::fstat(v->buffered_fd_, &st) != 0) {
+  if (::fstat(d.buffered_fd, &st) != 0) {
     ec.assign(errno, std::generic_category());
     return nullptr;
   }
   if (S_ISBLK(st.st_mode)) {
     uint64_t bytes = 0;
     int lbs = 512;
-    if (::ioctl(v->buffered_fd_, BLKGETSIZE64, &bytes) != 0 ||
-        ::ioctl(v->buffered_fd_, BLKSSZGET, &lbs) != 0) {
+    if (::ioctl(d.buffered_fd, BLKGETSIZE64, &bytes) != 0 ||
+        ::ioctl(d.buffered_fd, BLKSSZGET, &lbs) != 0) {
       ec.assign(errno, std::generic_category());
       return nullptr;
     }
@@ -69,56 +96,127 @@ std::shared_ptr<Volume> Volume::open(const std::string& path, std::error_code& e
   } else if (S_ISREG(st.st_mode)) {
     v->size_ = static_cast<uint64_t>(st.st_size);
     struct statx sx {};
-    if (::statx(v->buffered_fd_, "", AT_EMPTY_PATH, STATX_DIOALIGN, &sx) == 0 &&
+    if (::statx(d.buffered_fd, "", AT_EMPTY_PATH, STATX_DIOALIGN, &sx) == 0 &&
         (sx.stx_mask & STATX_DIOALIGN) && sx.stx_dio_offset_align != 0) {
       v->direct_align_ = std::max({sx.stx_dio_offset_align, sx.stx_dio_mem_align, 512u});
     }
-    off_t hole = ::lseek(v->buffered_fd_, 0, SEEK_HOLE);
+    off_t hole = ::lseek(d.buffered_fd, 0, SEEK_HOLE);
     v->may_have_holes_ = hole < 0 || static_cast<uint64_t>(hole) < v->size();
   } else {
     ec = std::make_error_code(std::errc::invalid_argument);
     return nullptr;
   }
+  return v;
+}
 
-  v->direct_fd_ = v->buffered_fd_;
-  if (options.direct) {
-    bool direct_writable = true;
-    int fd = open_fd(path, O_DIRECT, direct_writable);
-    if (fd >= 0) {
-      v->direct_fd_ = fd;
-      v->direct_ = true;
-    } else if (errno != EINVAL) {  // EINVAL: the file system has no O_DIRECT (tmpfs)
-      ec.assign(errno, std::generic_category());
-      return nullptr;
-    }
+std::shared_ptr<Volume> Volume::open_mapped(const std::vector<MappedSegment>& segments,
+                                            std::error_code& ec, OpenOptions options) {
+  std::shared_ptr<Volume> v(new Volume());
+  v->mapped_ = true;
+  v->block_device_ = true;
+  v->may_have_holes_ = false;
+  v->direct_ = options.direct;
+  v->direct_align_ = 512;
+  v->path_ = segments.empty() ? std::string() : segments.front().path;
+  if (int err = v->remap(segments)) {
+    ec.assign(err, std::generic_category());
+    return nullptr;
   }
   return v;
 }
 
+int Volume::remap(const std::vector<MappedSegment>& segments) {
+  if (!mapped_) return EINVAL;
+  size_t count = segment_count_.load(std::memory_order_relaxed);
+  if (segments.size() < count || segments.size() > kMaxSegments) return EINVAL;
+  uint64_t start = 0;
+  for (size_t i = 0; i < segments.size(); ++i) {
+    const MappedSegment& m = segments[i];
+    // Existing segments must stay where they are; only the last may grow in place.
+    if (i < count) {
+      const Segment& old = segments_[i];
+      const uint64_t old_length = old.length.load(std::memory_order_relaxed);
+      if (devices_[old.device].path != m.path || old.device_offset != m.offset ||
+          old.start != start || m.length < old_length || (i + 1 < count && m.length != old_length)) {
+        return EINVAL;
+      }
+      if (m.length != old_length) segments_[i].length.store(m.length, std::memory_order_relaxed);
+    } else {
+      uint32_t device = UINT32_MAX;
+      for (size_t d = 0; d < device_count(); ++d) {
+        if (devices_[d].path == m.path) device = static_cast<uint32_t>(d);
+      }
+      if (device == UINT32_MAX) {
+        if (int err = add_device(m.path, direct_, device)) return err;
+        int lbs = 512;
+        if (::ioctl(devices_[device].buffered_fd, BLKSSZGET, &lbs) == 0) {
+          direct_align_ = std::max<uint32_t>(direct_align_, static_cast<uint32_t>(lbs));
+        }
+      }
+      Segment& seg = segments_[i];
+      seg.start = start;
+      seg.device_offset = m.offset;
+      seg.device = device;
+      seg.length.store(m.length, std::memory_order_relaxed);
+    }
+    start += m.length;
+  }
+  segment_count_.store(segments.size(), std::memory_order_release);
+  size_.store(start, std::memory_order_release);
+  return 0;
+}
+
 Volume::~Volume() {
-  if (direct_fd_ >= 0 && direct_fd_ != buffered_fd_) ::close(direct_fd_);
-  if (buffered_fd_ >= 0) ::close(buffered_fd_);
+  for (size_t i = 0; i < device_count(); ++i) {
+    Device& d = devices_[i];
+    if (d.direct_fd >= 0 && d.direct_fd != d.buffered_fd) ::close(d.direct_fd);
+    if (d.buffered_fd >= 0) ::close(d.buffered_fd);
+  }
 }
 
 int Volume::refresh_size() {
+  if (mapped_) return 0;  // a map grows through remap()
+  const int fd = devices_[0].buffered_fd;
   uint64_t bytes = 0;
   if (block_device_) {
-    if (::ioctl(buffered_fd_, BLKGETSIZE64, &bytes) != 0) return errno;
+    if (::ioctl(fd, BLKGETSIZE64, &bytes) != 0) return errno;
   } else {
     struct stat st {};
-    if (::fstat(buffered_fd_, &st) != 0) return errno;
+    if (::fstat(fd, &st) != 0) return errno;
     bytes = static_cast<uint64_t>(st.st_size);
   }
   size_.store(bytes, std::memory_order_release);
   return 0;
 }
 
-int Volume::fd_for(uint64_t offset, uint64_t length, const void* buf) const {
-  const uint64_t mask = direct_align_ - 1;
-  if (direct_ && ((offset | length | reinterpret_cast<uintptr_t>(buf)) & mask) == 0) {
-    return direct_fd_;
+Volume::Location Volume::locate(uint64_t offset, uint64_t length, const void* buf) const {
+  uint64_t at = offset;
+  const Device* device = &devices_[0];
+  if (mapped_) {
+    // Segments are sorted by start: find the last one starting at or before `offset`.
+    const size_t count = segment_count_.load(std::memory_order_acquire);
+    size_t lo = 0;
+    size_t hi = count;
+    while (hi - lo > 1) {
+      size_t mid = (lo + hi) / 2;
+      if (segments_[mid].start <= offset) {
+        lo = mid;
+      } else {
+        hi = mid;
+      }
+    }
+    if (count == 0) return {-1, 0, 0};
+    const Segment& seg = segments_[lo];
+    const uint64_t seg_length = seg.length.load(std::memory_order_relaxed);
+    if (offset < seg.start || offset - seg.start >= seg_length) return {-1, 0, 0};
+    length = std::min(length, seg.start + seg_length - offset);
+    at = seg.device_offset + (offset - seg.start);
+    device = &devices_[seg.device];
   }
-  return buffered_fd_;
+  const uint64_t mask = direct_align_ - 1;
+  const bool aligned = buf != nullptr && direct_ &&
+                       ((at | length | reinterpret_cast<uintptr_t>(buf)) & mask) == 0;
+  return {aligned ? device->direct_fd : device->buffered_fd, at, length};
 }
 
 int Handle::admit(Op op, uint64_t offset, uint64_t length) const {
@@ -152,7 +250,7 @@ int Handle::extents(uint64_t offset, uint64_t length, size_t max_extents,
     out.push_back({length, false});
     return 0;
   }
-  const int fd = volume_->buffered_fd();
+  const int fd = volume_->device_fd(0);  // only files have holes, and a file is one device
   uint64_t pos = offset;
   while (pos < end && out.size() < max_extents) {
     off_t data = ::lseek(fd, static_cast<off_t>(pos), SEEK_DATA);
@@ -205,8 +303,9 @@ int Handle::read(void* buf, uint64_t length, uint64_t offset) const {
   auto* p = static_cast<char*>(buf);
   uint64_t done = 0;
   while (done < length) {
-    int fd = volume_->fd_for(offset + done, length - done, p + done);
-    ssize_t n = ::pread(fd, p + done, length - done, static_cast<off_t>(offset + done));
+    Volume::Location at = volume_->locate(offset + done, length - done, p + done);
+    if (at.fd < 0) return EIO;
+    ssize_t n = ::pread(at.fd, p + done, at.length, static_cast<off_t>(at.offset));
     if (n < 0 && errno == EINTR) continue;
     if (n < 0) return errno;
     if (n == 0) return EIO;  // the file shrank under us
@@ -219,12 +318,27 @@ namespace {
 int write_all(const Volume& v, const char* p, uint64_t length, uint64_t offset, int rwflags) {
   uint64_t done = 0;
   while (done < length) {
-    iovec iov{const_cast<char*>(p + done), length - done};
-    int fd = v.fd_for(offset + done, length - done, p + done);
-    ssize_t n = ::pwritev2(fd, &iov, 1, static_cast<off_t>(offset + done), rwflags);
+    Volume::Location at = v.locate(offset + done, length - done, p + done);
+    if (at.fd < 0) return EIO;
+    iovec iov{const_cast<char*>(p + done), at.length};
+    ssize_t n = ::pwritev2(at.fd, &iov, 1, static_cast<off_t>(at.offset), rwflags);
     if (n < 0 && errno == EINTR) continue;
     if (n < 0) return errno;
     done += static_cast<uint64_t>(n);
+  }
+  return 0;
+}
+
+// fallocate over the whole range, one contiguous piece at a time.
+int fallocate_all(const Volume& v, int mode, uint64_t length, uint64_t offset) {
+  for (uint64_t done = 0; done < length;) {
+    Volume::Location at = v.locate_buffered(offset + done, length - done);
+    if (at.fd < 0) return EIO;
+    if (::fallocate(at.fd, mode, static_cast<off_t>(at.offset), static_cast<off_t>(at.length)) !=
+        0) {
+      return errno;
+    }
+    done += at.length;
   }
   return 0;
 }
@@ -248,19 +362,18 @@ int Handle::write(const void* buf, uint64_t length, uint64_t offset, uint32_t fl
 
 int Handle::flush() const {
   if (int err = admit(Op::Flush, 0, 0)) return err;
-  return ::fdatasync(volume_->buffered_fd()) == 0 ? 0 : errno;
+  for (size_t i = 0; i < volume_->device_count(); ++i) {
+    if (::fdatasync(volume_->device_fd(i)) != 0) return errno;
+  }
+  return 0;
 }
 
 int Handle::trim(uint64_t length, uint64_t offset, uint32_t flags) const {
   if (int err = admit(Op::Trim, offset, length)) return err;
   if (length == 0) return 0;
   volume_->note_holes();
-  int mode = fallocate_mode(*volume_, Op::Trim, flags);
-  if (::fallocate(volume_->buffered_fd(), mode, static_cast<off_t>(offset),
-                  static_cast<off_t>(length)) != 0 &&
-      errno != EOPNOTSUPP) {  // trim is a hint: a device that cannot discard ignores it
-    return errno;
-  }
+  int err = fallocate_all(*volume_, fallocate_mode(*volume_, Op::Trim, flags), length, offset);
+  if (err != 0 && err != EOPNOTSUPP) return err;  // trim is a hint: no discard, no error
   return (flags & kFua) ? flush() : 0;
 }
 
@@ -269,11 +382,10 @@ int Handle::write_zeroes(uint64_t length, uint64_t offset, uint32_t flags) const
   if (length == 0) return 0;
   int mode = fallocate_mode(*volume_, Op::WriteZeroes, flags);
   if (mode & FALLOC_FL_PUNCH_HOLE) volume_->note_holes();
-  if (::fallocate(volume_->buffered_fd(), mode, static_cast<off_t>(offset),
-                  static_cast<off_t>(length)) != 0) {
-    if (errno != EOPNOTSUPP) return errno;
+  if (int err = fallocate_all(*volume_, mode, length, offset)) {
+    if (err != EOPNOTSUPP) return err;
     if (flags & kFastZero) return ENOTSUP;
-    if (int err = write_zero_bytes(*volume_, length, offset)) return err;
+    if ((err = write_zero_bytes(*volume_, length, offset))) return err;
   }
   return (flags & kFua) ? flush() : 0;
 }

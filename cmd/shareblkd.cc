@@ -74,6 +74,8 @@ int main(int argc, char** argv) {
      "managed mode: database, control socket and file-store volumes live here")
     ("control-socket", po::value<std::string>(), "control socket path (default STATE_DIR/shareblk.sock)")
     ("store", po::value<std::string>()->default_value("file"), "volume store: file, or lvm:VG")
+    ("lvm-config", po::value<std::string>()->default_value(""),
+     "extra lvm2 --config text for the LVM store (e.g. a devices filter)")
     ("allow_multiattach", po::value<bool>()->default_value(true),
      "policy: volumes may be multiattach")
     ("allow_multiattach_bootable", po::value<bool>()->default_value(true),
@@ -167,7 +169,8 @@ int main(int argc, char** argv) {
     }
     for (auto& path : options.listen_unix) path = fs::absolute(path).string();
     lvm::StoreError store_error;
-    store = lvm::make_store(vm["store"].as<std::string>(), state.string(), store_error);
+    store = lvm::make_store(vm["store"].as<std::string>(), state.string(),
+                            vm["lvm-config"].as<std::string>(), store_error);
     if (!store) {
       std::cerr << "shareblkd: " << store_error.message << "\n";
       return 1;

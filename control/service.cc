@@ -231,11 +231,12 @@ std::shared_ptr<std::mutex> Service::volume_lock(const std::string& volume_id) {
   return m;
 }
 
-std::shared_ptr<backend::Volume> Service::open_volume(const std::string& volume_id) {
+std::shared_ptr<backend::Volume> Service::open_volume(const std::string& volume_id,
+                                                      uint64_t size) {
   std::lock_guard lock(open_mutex_);
   auto& v = open_volumes_[volume_id];
   if (!v) {
-    if (lvm::StoreError e = store_.open(volume_id, v)) {
+    if (lvm::StoreError e = store_.open(volume_id, size, v)) {
       open_volumes_.erase(volume_id);
       spdlog::error("control: cannot open volume {}: {}", volume_id, e.message);
       return nullptr;
@@ -406,7 +407,13 @@ Json Service::volume_extend(const Json& p) {
   {
     std::lock_guard open_lock(open_mutex_);
     auto it = open_volumes_.find(id);
-    if (it != open_volumes_.end()) it->second->refresh_size();
+    if (it != open_volumes_.end()) {
+      if (lvm::StoreError e = store_.refresh(id, size, *it->second)) {
+        // New connections reopen it; live ones keep the old size.
+        spdlog::error("control: volume {} grew but its open handle did not: {}", id, e.message);
+        open_volumes_.erase(it);
+      }
+    }
   }
   return out;
 }
@@ -479,6 +486,11 @@ Json Service::attachment_create(const Json& p) {
   a.volume_id = volume_id;
   a.instance_uuid = need_string(p, "instance_uuid");
   a.attached_host = opt_string(p, "attached_host").value_or("");
+  // connect() names the host after the connector when none is given; the duplicate check
+  // below must compare that same host, or one instance could attach twice through one host.
+  if (a.attached_host.empty() && p.contains("connector") && p["connector"].is_object()) {
+    a.attached_host = opt_string(p["connector"], "host").value_or("");
+  }
   a.mode = opt_string(p, "mode").value_or("rw");
   if (a.mode != "rw" && a.mode != "ro") invalid("mode must be \"rw\" or \"ro\"");
 
@@ -667,11 +679,13 @@ target::ExportCatalog::Lookup Service::resolve(const std::string& export_name,
                                                const target::Peer& peer) {
   using Refusal = target::ExportCatalog::Refusal;
   AttachmentRow a;
+  uint64_t size = 0;
   {
     Database::Transaction tx(db_);
     auto found = tx.attachment_by_export(export_name);
     if (!found || !serving(*found)) return {std::nullopt, Refusal::Unknown};
     a = *found;
+    size = find_volume(tx, a.volume_id).size;
   }
   const Json connector = Json::parse(a.connector);
   if (!peer.address.empty() && connector.contains("ip") &&
@@ -680,7 +694,7 @@ target::ExportCatalog::Lookup Service::resolve(const std::string& export_name,
                  peer.address, connector["ip"].get<std::string>());
     return {std::nullopt, Refusal::Policy};
   }
-  auto volume = open_volume(a.volume_id);
+  auto volume = open_volume(a.volume_id, size);
   if (!volume) return {std::nullopt, Refusal::Unknown};
   return {target::Export{volume,
                          a.mode == "ro" ? backend::AttachMode::ReadOnly

@@ -54,7 +54,7 @@ class Service {
 
   // Serializes every change to one volume and its attachments.
   std::shared_ptr<std::mutex> volume_lock(const std::string& volume_id);
-  std::shared_ptr<backend::Volume> open_volume(const std::string& volume_id);
+  std::shared_ptr<backend::Volume> open_volume(const std::string& volume_id, uint64_t size);
   void forget_volume(const std::string& volume_id);
 
   void connect(Database::Transaction& tx, AttachmentRow& a, const Json& connector);

@@ -66,10 +66,16 @@ class FileVolumeStore final : public VolumeStore {
     return {};
   }
 
-  StoreError open(const std::string& id, std::shared_ptr<backend::Volume>& out) override {
+  StoreError open(const std::string& id, uint64_t /*size*/,
+                  std::shared_ptr<backend::Volume>& out) override {
     std::error_code ec;
     out = backend::Volume::open(path_of(id), ec);
     if (!out) return {ec, "open " + path_of(id) + ": " + ec.message()};
+    return {};
+  }
+
+  StoreError refresh(const std::string& id, uint64_t /*size*/, backend::Volume& volume) override {
+    if (int err = volume.refresh_size()) return from_errno(err, "refresh " + path_of(id));
     return {};
   }
 
@@ -100,12 +106,10 @@ std::unique_ptr<VolumeStore> make_file_store(const std::string& dir, StoreError&
 }
 
 std::unique_ptr<VolumeStore> make_store(const std::string& spec, const std::string& state_dir,
-                                        StoreError& error) {
+                                        const std::string& lvm_config, StoreError& error) {
   if (spec == "file") return make_file_store((fs::path(state_dir) / "volumes").string(), error);
   if (spec.rfind("lvm:", 0) == 0 && spec.size() > 4) {
-    error = {std::make_error_code(std::errc::not_supported),
-             "the LVM store is not available in this build"};
-    return nullptr;
+    return make_lvm_store(spec.substr(4), lvm_config, error);
   }
   error = {std::make_error_code(std::errc::invalid_argument),
            "--store wants 'file' or 'lvm:VG', got '" + spec + "'"};

@@ -35,8 +35,11 @@ class VolumeStore {
   virtual StoreError extend(const std::string& id, uint64_t size) = 0;
   // Discards the backing; its bytes are never visible to a later volume.
   virtual StoreError remove(const std::string& id) = 0;
-  // Opens the backing for I/O.
-  virtual StoreError open(const std::string& id, std::shared_ptr<backend::Volume>& out) = 0;
+  // Opens the first `size` bytes of the backing for I/O.
+  virtual StoreError open(const std::string& id, uint64_t size,
+                          std::shared_ptr<backend::Volume>& out) = 0;
+  // After extend(): makes an open volume see `size` bytes.
+  virtual StoreError refresh(const std::string& id, uint64_t size, backend::Volume& volume) = 0;
   // Ids that have backing, to reconcile with the control plane's state at start-up.
   virtual StoreError list(std::vector<std::string>& ids) = 0;
 };
@@ -44,8 +47,13 @@ class VolumeStore {
 // Volumes as files `<dir>/<id>.img`, their space reserved at create (posix_fallocate).
 std::unique_ptr<VolumeStore> make_file_store(const std::string& dir, StoreError& error);
 
+// Volumes as logical volumes `volume-<id>` tagged "shareblk" in volume group `vg`. lvm2 runs
+// with `config` added to its --config (and activation off where there is no device-mapper).
+std::unique_ptr<VolumeStore> make_lvm_store(const std::string& vg, const std::string& config,
+                                            StoreError& error);
+
 // Parses `--store`: "file" (volumes under `state_dir`/volumes) or "lvm:VG".
 std::unique_ptr<VolumeStore> make_store(const std::string& spec, const std::string& state_dir,
-                                        StoreError& error);
+                                        const std::string& lvm_config, StoreError& error);
 
 }  // namespace shareblk::lvm

@@ -1,0 +1,20 @@
+// Internal to lvm/: runs a program (never through a shell) and captures what it says.
+#pragma once
+
+#include <chrono>
+#include <string>
+#include <vector>
+
+namespace shareblk::lvm {
+
+struct CommandResult {
+  int status = -1;     // exit code; -1 when it could not run or was killed
+  int exec_errno = 0;  // ENOENT when the program is not installed
+  std::string out;
+  std::string err;
+};
+
+CommandResult run_command(const std::vector<std::string>& argv,
+                          std::chrono::seconds timeout = std::chrono::seconds(120));
+
+}  // namespace shareblk::lvm

@@ -1,0 +1,267 @@
+// Volumes as LVM logical volumes `volume-<id>` in one volume group, driven through the lvm2
+// command-line tools with JSON reports.
+//
+// Data path: where device-mapper has activated the LV, its block device. Where there is no
+// device-mapper (containers), the LV's segment map from lvm2 -- physical volume, extent
+// ranges, pe_start, extent size -- and I/O straight to the physical volumes at the mapped
+// offsets. Only linear segments are served that way.
+#include <spdlog/spdlog.h>
+#include <stdlib.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <map>
+#include <mutex>
+#include <nlohmann/json.hpp>
+
+#include "lvm/command.h"
+#include "lvm/volume_store.h"
+
+namespace shareblk::lvm {
+
+namespace {
+
+using Json = nlohmann::json;
+constexpr char kTag[] = "shareblk";
+
+StoreError failure(int code, std::string message) {
+  return {std::error_code(code, std::generic_category()), std::move(message)};
+}
+
+std::string trim(std::string s) {
+  while (!s.empty() && (s.back() == '\n' || s.back() == ' ')) s.pop_back();
+  size_t start = s.find_first_not_of(" \n");
+  return start == std::string::npos ? std::string() : s.substr(start);
+}
+
+// lvm2's words for the failures an operator must tell apart.
+StoreError classify(const std::string& what, const CommandResult& r) {
+  if (r.exec_errno == ENOENT) return failure(ENOSYS, what + ": lvm2 is not installed");
+  if (r.exec_errno != 0) return failure(r.exec_errno, what + ": cannot run lvm2");
+  std::string message = trim(r.err);
+  // Drop the warning lvm2 prints on every call when activation is off.
+  for (size_t at; (at = message.find("WARNING: Activation disabled")) != std::string::npos;) {
+    size_t end = message.find('\n', at);
+    message.erase(at, end == std::string::npos ? std::string::npos : end - at + 1);
+  }
+  message = trim(message);
+  const std::string text = what + ": " + (message.empty() ? "lvm2 failed" : message);
+  if (message.find("nsufficient free") != std::string::npos ||
+      message.find("free space") != std::string::npos) {
+    return failure(ENOSPC, text);
+  }
+  if (message.find("not found") != std::string::npos) return failure(ENOENT, text);
+  return failure(EIO, text);
+}
+
+uint64_t as_u64(const Json& v) {
+  if (v.is_string()) return std::stoull(v.get<std::string>());
+  return v.get<uint64_t>();
+}
+
+class LvmVolumeStore final : public VolumeStore {
+ public:
+  LvmVolumeStore(std::string vg, std::string extra_config)
+      : vg_(std::move(vg)), config_(std::move(extra_config)) {
+    // lvm2 complains about every descriptor it inherits from whoever started the daemon;
+    // its complaints would bury the message an operator needs.
+    ::setenv("LVM_SUPPRESS_FD_WARNINGS", "1", 0);
+    // Without device-mapper nothing can be activated: tell lvm2 not to try.
+    if (::access("/dev/mapper/control", F_OK) != 0) {
+      config_ = "global{activation=0} " + config_;
+      activation_ = false;
+    }
+  }
+
+  std::string kind() const override { return "lvm:" + vg_; }
+
+  StoreError create(const std::string& id, uint64_t size) override {
+    std::lock_guard lock(mutex_);
+    // -Zn: lvm2 cannot zero an LV it cannot activate; deleted volumes are zeroed instead.
+    CommandResult r = lvm({"lvcreate", "-y", "-Zn", "-an", "--addtag", kTag, "-n", lv(id), "-L",
+                           std::to_string(size) + "b", vg_});
+    if (r.status != 0) return classify("lvcreate " + vg_ + "/" + lv(id), r);
+    return {};
+  }
+
+  StoreError extend(const std::string& id, uint64_t size) override {
+    std::lock_guard lock(mutex_);
+    CommandResult r = lvm({"lvextend", "-L", std::to_string(size) + "b", vg_ + "/" + lv(id)});
+    if (r.status != 0) return classify("lvextend " + vg_ + "/" + lv(id), r);
+    return {};
+  }
+
+  StoreError remove(const std::string& id) override {
+    std::lock_guard lock(mutex_);
+    std::vector<backend::MappedSegment> segments;
+    std::string block_device;
+    if (StoreError e = layout(id, UINT64_MAX, segments, block_device)) {
+      if (e.code.value() == ENOENT) return {};  // already gone: removing again is a no-op
+      return e;
+    }
+    // Zero every extent first, so that no later volume on these extents sees this one's data.
+    std::error_code ec;
+    std::shared_ptr<backend::Volume> volume =
+        block_device.empty() ? backend::Volume::open_mapped(segments, ec)
+                             : backend::Volume::open(block_device, ec);
+    if (!volume) return failure(ec.value(), "open " + lv(id) + " to zero it: " + ec.message());
+    backend::Handle handle(volume, backend::AttachMode::ReadWrite);
+    if (int err = handle.write_zeroes(volume->size(), 0, backend::kNoHole | backend::kFua)) {
+      return failure(err, "zero " + lv(id) + ": " + std::generic_category().message(err));
+    }
+    volume.reset();
+    CommandResult r = lvm({"lvremove", "-y", vg_ + "/" + lv(id)});
+    if (r.status != 0) return classify("lvremove " + vg_ + "/" + lv(id), r);
+    return {};
+  }
+
+  StoreError open(const std::string& id, uint64_t size,
+                  std::shared_ptr<backend::Volume>& out) override {
+    std::lock_guard lock(mutex_);
+    std::vector<backend::MappedSegment> segments;
+    std::string block_device;
+    if (StoreError e = layout(id, size, segments, block_device)) return e;
+    std::error_code ec;
+    out = block_device.empty() ? backend::Volume::open_mapped(segments, ec)
+                               : backend::Volume::open(block_device, ec);
+    if (!out) return failure(ec.value(), "open " + lv(id) + ": " + ec.message());
+    return {};
+  }
+
+  StoreError refresh(const std::string& id, uint64_t size, backend::Volume& volume) override {
+    if (!volume.is_mapped()) return StoreError{std::error_code(volume.refresh_size(),
+                                                               std::generic_category()),
+                                               "refresh " + lv(id)};
+    std::lock_guard lock(mutex_);
+    std::vector<backend::MappedSegment> segments;
+    std::string block_device;
+    if (StoreError e = layout(id, size, segments, block_device)) return e;
+    if (int err = volume.remap(segments)) {
+      return failure(err, "remap " + lv(id) + ": the new map does not extend the old one");
+    }
+    return {};
+  }
+
+  StoreError list(std::vector<std::string>& ids) override {
+    std::lock_guard lock(mutex_);
+    CommandResult r = lvm({"lvs", "--reportformat", "json", "-o", "lv_name,lv_tags", vg_});
+    if (r.status != 0) return classify("lvs " + vg_, r);
+    try {
+      const Json report = Json::parse(r.out);  // named: a range-for would not keep a temporary
+      for (const Json& row : report.at("report").at(0).at("lv")) {
+        const std::string name = row.at("lv_name").get<std::string>();
+        if (name.rfind("volume-", 0) != 0) continue;
+        if (row.at("lv_tags").get<std::string>().find(kTag) == std::string::npos) {
+          spdlog::error("lvm: {}/{} looks like a shareblk volume but lacks the '{}' tag", vg_,
+                        name, kTag);
+          continue;
+        }
+        ids.push_back(name.substr(7));
+      }
+    } catch (const std::exception& e) {
+      return failure(EIO, std::string("lvs: unexpected report: ") + e.what());
+    }
+    return {};
+  }
+
+ private:
+  static std::string lv(const std::string& id) { return "volume-" + id; }
+
+  CommandResult lvm(std::vector<std::string> argv) {
+    argv.insert(argv.begin() + 1, {"--config", config_});
+    return run_command(argv);
+  }
+
+  // Where the bytes of `id`'s first `size` bytes are: its block device when device-mapper
+  // has it, else the segment map. Refuses LVs that are not ours and segment types we cannot
+  // map by hand.
+  StoreError layout(const std::string& id, uint64_t size,
+                    std::vector<backend::MappedSegment>& segments, std::string& block_device) {
+    CommandResult r = lvm({"lvs", "--reportformat", "json", "--units", "b", "--nosuffix",
+                           "--segments", "-o",
+                           "lv_name,lv_tags,lv_size,segtype,seg_start,seg_size,seg_pe_ranges",
+                           vg_ + "/" + lv(id)});
+    if (r.status != 0) return classify("lvs " + vg_ + "/" + lv(id), r);
+    CommandResult p = lvm({"pvs", "--reportformat", "json", "--units", "b", "--nosuffix", "-o",
+                           "pv_name,pe_start,vg_extent_size", "-S", "vg_name=" + vg_});
+    if (p.status != 0) return classify("pvs " + vg_, p);
+    try {
+      std::map<std::string, uint64_t> pe_start;
+      uint64_t extent_size = 0;
+      const Json pvs = Json::parse(p.out);  // named: a range-for would not keep a temporary
+      for (const Json& pv : pvs.at("report").at(0).at("pv")) {
+        pe_start[pv.at("pv_name").get<std::string>()] = as_u64(pv.at("pe_start"));
+        extent_size = as_u64(pv.at("vg_extent_size"));
+      }
+      const Json rows = Json::parse(r.out).at("report").at(0).at("seg");
+      if (rows.empty()) return failure(ENOENT, lv(id) + " not found in " + vg_);
+      if (rows.at(0).at("lv_tags").get<std::string>().find(kTag) == std::string::npos) {
+        return failure(EEXIST, vg_ + "/" + lv(id) + " exists but is not shareblk's (no '" +
+                                   std::string(kTag) + "' tag); refusing to use it");
+      }
+      const std::string dev = "/dev/" + vg_ + "/" + lv(id);
+      if (activation_ && ::access(dev.c_str(), F_OK) == 0) {
+        block_device = dev;
+        return {};
+      }
+      uint64_t covered = 0;
+      for (const Json& seg : rows) {
+        const std::string type = seg.at("segtype").get<std::string>();
+        if (type != "linear") {
+          return failure(ENOTSUP, vg_ + "/" + lv(id) + " has a " + type +
+                                      " segment; without device-mapper only linear LVs are served");
+        }
+        // "/dev/loop0:4-5": physical extents 4 to 5 of that PV.
+        const std::string ranges = seg.at("seg_pe_ranges").get<std::string>();
+        const size_t colon = ranges.rfind(':');
+        const size_t dash = ranges.find('-', colon);
+        if (colon == std::string::npos || dash == std::string::npos ||
+            ranges.find(' ') != std::string::npos) {
+          return failure(ENOTSUP, "unexpected extent range '" + ranges + "' in " + lv(id));
+        }
+        const std::string pv = ranges.substr(0, colon);
+        const uint64_t first = std::stoull(ranges.substr(colon + 1, dash - colon - 1));
+        const uint64_t last = std::stoull(ranges.substr(dash + 1));
+        if (pe_start.count(pv) == 0 || extent_size == 0) {
+          return failure(EIO, "no pe_start for " + pv + " in " + vg_);
+        }
+        const uint64_t start = as_u64(seg.at("seg_start"));
+        uint64_t length = (last - first + 1) * extent_size;
+        if (start != covered || length != as_u64(seg.at("seg_size"))) {
+          return failure(EIO, "segments of " + lv(id) + " do not add up");
+        }
+        if (covered >= size) break;
+        length = std::min(length, size - covered);
+        segments.push_back({pv, pe_start[pv] + first * extent_size, length});
+        covered += length;
+      }
+      if (size != UINT64_MAX && covered < size) {
+        return failure(EIO, lv(id) + " is smaller (" + std::to_string(covered) +
+                                " bytes) than its volume (" + std::to_string(size) + ")");
+      }
+    } catch (const std::exception& e) {
+      return failure(EIO, std::string("lvm2: unexpected report: ") + e.what());
+    }
+    return {};
+  }
+
+  std::string vg_;
+  std::string config_;
+  bool activation_ = true;
+  std::mutex mutex_;  // one lvm2 command of ours at a time
+};
+
+}  // namespace
+
+std::unique_ptr<VolumeStore> make_lvm_store(const std::string& vg, const std::string& config,
+                                            StoreError& error) {
+  auto store = std::make_unique<LvmVolumeStore>(vg, config);
+  std::vector<std::string> ids;
+  if (StoreError e = store->list(ids)) {  // the VG must exist and lvm2 must answer
+    error = e;
+    return nullptr;
+  }
+  return store;
+}
+
+}  // namespace shareblk::lvm
