@@ -1,0 +1,276 @@
+// The LVM store on real lvm2, on a loop device, without device-mapper: the daemon maps each
+// logical volume's extents itself, so these tests check the bytes where lvm2 says they are.
+#include <gtest/gtest.h>
+#include <libnbd.h>
+#include <signal.h>
+
+#include <fstream>
+#include <memory>
+
+#include "tests/control_client.h"
+#include "tests/lvm_fixture.h"
+#include "tests/support.h"
+
+namespace shareblk::testing {
+namespace {
+
+using Json = nlohmann::json;
+constexpr uint64_t kMiB = 1 << 20;
+
+// A physical range of a logical volume, as lvm2 reports it.
+struct PhysicalRange {
+  uint64_t logical;   // offset in the LV
+  uint64_t physical;  // offset on the PV
+  uint64_t length;
+};
+
+class LvmStore : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    std::string why;
+    SHAREBLK_REQUIRE(lvm_available(why), why);
+    vg_name_ = "sbt" + std::to_string(::getpid()) + "x" +
+               std::to_string(reinterpret_cast<uintptr_t>(this) % 100000);
+    vg_ = std::make_unique<LoopVolumeGroup>(dir_, vg_name_, 128 * kMiB);
+    ASSERT_TRUE(vg_->ok()) << vg_->why();
+    start();
+  }
+  void TearDown() override {
+    daemon_.reset();  // before the VG goes
+    vg_.reset();
+  }
+
+  void start() {
+    daemon_ = std::make_unique<Daemon>(
+        std::vector<std::string>{"--state-dir", dir_ / "var", "--store", "lvm:" + vg_name_,
+                                 "--lvm-config", vg_->daemon_config(), "--listen-unix",
+                                 dir_ / "nbd.sock", "--workers", "2"},
+        socket());
+  }
+  std::string socket() const { return dir_ / "var/shareblk.sock"; }
+
+  Json create(const std::string& name, const std::string& size, bool multiattach = false) {
+    return rpc_ok(socket(), "volume_create",
+                  {{"name", name}, {"size", size}, {"multiattach", multiattach}});
+  }
+  std::string attach(const std::string& volume, const std::string& instance,
+                     const std::string& mode) {
+    Json a = rpc_ok(socket(), "attachment_create",
+                    {{"volume_id", volume},
+                     {"instance_uuid", instance},
+                     {"mode", mode},
+                     {"connector", {{"host", instance}, {"transport", "unix"}}}});
+    return a["connection_info"]["data"]["uri"].get<std::string>();
+  }
+
+  // Where lvm2 says volume `id`'s bytes are.
+  std::vector<PhysicalRange> ranges(const std::string& id) {
+    RunResult pv = vg_->lvm({"pvs", "--reportformat", "json", "--units", "b", "--nosuffix", "-o",
+                             "pe_start,vg_extent_size", vg_->device()});
+    RunResult lv = vg_->lvm({"lvs", "--reportformat", "json", "--units", "b", "--nosuffix",
+                             "--segments", "-o", "seg_start,seg_size,seg_pe_ranges",
+                             vg_name_ + "/volume-" + id});
+    EXPECT_EQ(pv.status, 0) << pv.output;
+    EXPECT_EQ(lv.status, 0) << lv.output;
+    auto json_of = [](const std::string& out) { return Json::parse(out.substr(out.find('{'))); };
+    Json pvs = json_of(pv.output);
+    Json lvs = json_of(lv.output);
+    const uint64_t pe_start = std::stoull(pvs["report"][0]["pv"][0]["pe_start"].get<std::string>());
+    const uint64_t extent =
+        std::stoull(pvs["report"][0]["pv"][0]["vg_extent_size"].get<std::string>());
+    std::vector<PhysicalRange> out;
+    for (const Json& seg : lvs["report"][0]["seg"]) {
+      const std::string r = seg["seg_pe_ranges"].get<std::string>();
+      const uint64_t first = std::stoull(r.substr(r.rfind(':') + 1));
+      out.push_back({std::stoull(seg["seg_start"].get<std::string>()), pe_start + first * extent,
+                     std::stoull(seg["seg_size"].get<std::string>())});
+    }
+    return out;
+  }
+
+  // The PV's bytes behind the LV's [logical, logical+length).
+  std::string physical_bytes(const std::vector<PhysicalRange>& map, uint64_t logical,
+                             size_t length) {
+    std::string out;
+    for (const PhysicalRange& r : map) {
+      if (logical >= r.logical + r.length || out.size() == length) continue;
+      if (logical < r.logical) break;
+      const uint64_t n = std::min<uint64_t>(length - out.size(), r.logical + r.length - logical);
+      out += read_file(vg_->device(), r.physical + (logical - r.logical), n);
+      logical += n;
+    }
+    return out;
+  }
+
+  TempDir dir_;
+  std::string vg_name_;
+  std::unique_ptr<LoopVolumeGroup> vg_;
+  std::unique_ptr<Daemon> daemon_;
+};
+
+struct NbdHandle {
+  explicit NbdHandle(const std::string& uri) : h(nbd_create()) {
+    ok = h != nullptr && nbd_set_strict_mode(h, 0) == 0 && nbd_connect_uri(h, uri.c_str()) == 0;
+  }
+  ~NbdHandle() {
+    if (h) nbd_close(h);
+  }
+  nbd_handle* h;
+  bool ok = false;
+};
+
+std::string pattern(size_t length, int seed) {
+  std::string s(length, '\0');
+  for (size_t i = 0; i < length; ++i) s[i] = static_cast<char>((i * 31 + seed) % 251);
+  return s;
+}
+
+TEST_F(LvmStore, WritesLandAtTheMappedOffsetsOfThePhysicalVolume) {
+  Json v = create("data", "8M", true);
+  const std::string id = v["id"];
+  NbdHandle rw(attach(id, "writer", "rw"));
+  ASSERT_TRUE(rw.ok) << nbd_get_error();
+  const std::string data = pattern(8 * kMiB, 7);
+  ASSERT_EQ(nbd_pwrite(rw.h, data.data(), data.size(), 0, 0), 0) << nbd_get_error();
+  ASSERT_EQ(nbd_flush(rw.h, 0), 0);
+  EXPECT_TRUE(physical_bytes(ranges(id), 0, data.size()) == data);
+
+  // A read-only attachment of the same volume sees it, and cannot change it.
+  NbdHandle ro(attach(id, "reader", "ro"));
+  ASSERT_TRUE(ro.ok) << nbd_get_error();
+  std::string back(4096, '\0');
+  ASSERT_EQ(nbd_pread(ro.h, back.data(), back.size(), 4 * kMiB, 0), 0);
+  EXPECT_TRUE(back == data.substr(4 * kMiB, 4096));
+  std::string junk(4096, 'x');
+  EXPECT_EQ(nbd_pwrite(ro.h, junk.data(), junk.size(), 0, 0), -1);
+  EXPECT_EQ(nbd_get_errno(), EPERM);
+  EXPECT_EQ(nbd_zero(ro.h, kMiB, 0, 0), -1);
+  EXPECT_EQ(nbd_get_errno(), EPERM);
+  EXPECT_TRUE(physical_bytes(ranges(id), 0, data.size()) == data);
+}
+
+TEST_F(LvmStore, ExtendedVolumeServesIoAcrossANonContiguousSeam) {
+  Json v = create("grows", "4M");
+  const std::string id = v["id"];
+  create("neighbour", "4M");  // takes the extents right after the first volume's
+  rpc_ok(socket(), "volume_extend", {{"volume_id", id}, {"size", "12M"}});
+  std::vector<PhysicalRange> map = ranges(id);
+  ASSERT_GE(map.size(), 2u);
+  ASSERT_NE(map[0].physical + map[0].length, map[1].physical) << "the seam should be a gap";
+
+  NbdHandle rw(attach(id, "host", "rw"));
+  ASSERT_TRUE(rw.ok) << nbd_get_error();
+  EXPECT_EQ(nbd_get_size(rw.h), static_cast<int64_t>(12 * kMiB));
+  const uint64_t seam = map[1].logical;
+  const std::string data = pattern(2 * kMiB + 123, 3);
+  const uint64_t at = seam - kMiB - 17;  // unaligned, across the seam
+  ASSERT_EQ(nbd_pwrite(rw.h, data.data(), data.size(), at, 0), 0) << nbd_get_error();
+  ASSERT_EQ(nbd_flush(rw.h, 0), 0);
+  std::string back(data.size(), '\0');
+  ASSERT_EQ(nbd_pread(rw.h, back.data(), back.size(), at, 0), 0);
+  EXPECT_TRUE(back == data);
+  EXPECT_TRUE(physical_bytes(map, at, data.size()) == data);
+  // Nothing leaked into the neighbour's extents in the gap.
+  EXPECT_EQ(read_file(vg_->device(), map[0].physical + map[0].length, 4096),
+            std::string(4096, '\0'));
+
+  // Growing while attached: the live connection keeps serving; a new one sees the new size.
+  rpc_ok(socket(), "volume_extend", {{"volume_id", id}, {"size", "16M"}});
+  ASSERT_EQ(nbd_pread(rw.h, back.data(), 4096, at, 0), 0);
+  Json a = rpc_ok(socket(), "attachment_list", {{"volume_id", id}})[0];
+  NbdHandle again(a["connection_info"]["data"]["uri"].get<std::string>());
+  ASSERT_TRUE(again.ok) << nbd_get_error();
+  EXPECT_EQ(nbd_get_size(again.h), static_cast<int64_t>(16 * kMiB));
+  std::string tail = pattern(4096, 9);
+  ASSERT_EQ(nbd_pwrite(again.h, tail.data(), tail.size(), 16 * kMiB - 4096, 0), 0);
+  EXPECT_TRUE(physical_bytes(ranges(id), 16 * kMiB - 4096, 4096) == tail);
+}
+
+TEST_F(LvmStore, DeletedVolumeLeavesNoDataOnItsExtents) {
+  Json v = create("secret", "8M");
+  const std::string id = v["id"];
+  {
+    NbdHandle rw(attach(id, "host", "rw"));
+    ASSERT_TRUE(rw.ok) << nbd_get_error();
+    const std::string data(8 * kMiB, 's');
+    ASSERT_EQ(nbd_pwrite(rw.h, data.data(), data.size(), 0, 0), 0);
+    ASSERT_EQ(nbd_flush(rw.h, 0), 0);
+  }
+  std::vector<PhysicalRange> map = ranges(id);
+  rpc_ok(socket(), "volume_detach", {{"volume_id", id}});
+  rpc_ok(socket(), "volume_delete", {{"volume_id", id}});
+  EXPECT_EQ(physical_bytes(map, 0, 8 * kMiB), std::string(8 * kMiB, '\0'));
+  RunResult lvs = vg_->lvm({"lvs", "--noheadings", "-o", "lv_name", vg_name_});
+  EXPECT_EQ(lvs.output.find("volume-" + id), std::string::npos) << lvs.output;
+
+  // A new volume on the same extents reads zeroes.
+  Json fresh = create("fresh", "8M");
+  NbdHandle rw(attach(fresh["id"], "host", "rw"));
+  ASSERT_TRUE(rw.ok) << nbd_get_error();
+  std::string back(kMiB, 'x');
+  ASSERT_EQ(nbd_pread(rw.h, back.data(), back.size(), 0, 0), 0);
+  EXPECT_EQ(back, std::string(kMiB, '\0'));
+}
+
+TEST_F(LvmStore, RestartAfterKillServesTheSameExportsAndReportsMissingVolumes) {
+  Json v = create("kept", "8M");
+  Json gone = create("gone", "4M");
+  const std::string uri = attach(v["id"], "host", "rw");
+  const std::string data = pattern(kMiB, 5);
+  {
+    NbdHandle rw(uri);
+    ASSERT_TRUE(rw.ok) << nbd_get_error();
+    ASSERT_EQ(nbd_pwrite(rw.h, data.data(), data.size(), kMiB, 0), 0);
+    ASSERT_EQ(nbd_flush(rw.h, 0), 0);
+  }
+  daemon_->stop(SIGKILL);
+  // An LV removed behind the daemon's back is reported at start-up, not silently forgotten.
+  RunResult rm = vg_->lvm({"lvremove", "-y", vg_name_ + "/volume-" + gone["id"].get<std::string>()});
+  ASSERT_EQ(rm.status, 0) << rm.output;
+  start();
+  EXPECT_NE(daemon_->log().find("has no backing"), std::string::npos) << daemon_->log();
+  NbdHandle rw(uri);
+  ASSERT_TRUE(rw.ok) << nbd_get_error();
+  std::string back(data.size(), '\0');
+  ASSERT_EQ(nbd_pread(rw.h, back.data(), back.size(), kMiB, 0), 0);
+  EXPECT_TRUE(back == data);
+  EXPECT_EQ(rpc_ok(socket(), "volume_list").size(), 2u);  // metadata is the database's
+}
+
+TEST_F(LvmStore, FullVolumeGroupIsNoSpaceAndLeavesNothingBehind) {
+  EXPECT_EQ(rpc_reason(socket(), "volume_create", {{"name", "big"}, {"size", "1G"}}), "no_space");
+  RunResult lvs = vg_->lvm({"lvs", "--noheadings", "-o", "lv_name", vg_name_});
+  EXPECT_EQ(lvs.output.find("volume-"), std::string::npos) << lvs.output;
+  EXPECT_EQ(rpc_ok(socket(), "volume_list").size(), 0u);
+  // Growing past the free space is refused the same way, and the volume keeps its size.
+  Json v = create("small", "8M");
+  EXPECT_EQ(rpc_reason(socket(), "volume_extend", {{"volume_id", v["id"]}, {"size", "1G"}}),
+            "no_space");
+  EXPECT_EQ(rpc_ok(socket(), "volume_show", {{"volume_id", v["id"]}})["size"], 8 * kMiB);
+}
+
+TEST_F(LvmStore, ForeignLogicalVolumeWithOurNameIsRefused) {
+  const std::string id = "00000000-0000-4000-8000-000000000001";
+  RunResult r = vg_->lvm({"lvcreate", "-y", "-Zn", "-an", "-n", "volume-" + id, "-L", "4M",
+                          vg_name_});
+  ASSERT_EQ(r.status, 0) << r.output;
+  // The daemon never adopts it: it says so, and no volume appears.
+  daemon_.reset();
+  start();
+  EXPECT_NE(daemon_->log().find("lacks the 'shareblk' tag"), std::string::npos) << daemon_->log();
+  EXPECT_EQ(rpc_ok(socket(), "volume_list").size(), 0u);
+}
+
+TEST(LvmStoreStartup, MissingVolumeGroupIsAClearError) {
+  std::string why;
+  SHAREBLK_REQUIRE(lvm_available(why), why);
+  TempDir dir;
+  RunResult r = run({Daemon::binary(), "--state-dir", dir / "var", "--store",
+                     "lvm:shareblk_no_such_vg", "--listen-unix", dir / "nbd.sock"},
+                    std::chrono::seconds(60));
+  EXPECT_NE(r.status, 0);
+  EXPECT_NE(r.output.find("not found"), std::string::npos) << r.output;
+}
+
+}  // namespace
+}  // namespace shareblk::testing

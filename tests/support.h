@@ -1,0 +1,76 @@
+// Helpers shared by shareblk's tests: temporary directories, child processes, the daemon.
+#pragma once
+
+#include <gtest/gtest.h>
+#include <sys/types.h>
+
+#include <chrono>
+#include <filesystem>
+#include <string>
+#include <vector>
+
+namespace shareblk::testing {
+
+// CI has every tool, device and privilege these tests need; there a missing one is a failure.
+bool in_ci();
+
+// Skips the test with `reason` when `condition` is false, or fails it under CI=true.
+#define SHAREBLK_REQUIRE(condition, reason)                                      \
+  do {                                                                           \
+    if (!(condition)) {                                                          \
+      if (::shareblk::testing::in_ci()) FAIL() << "required under CI: " << reason; \
+      GTEST_SKIP() << reason;                                                    \
+    }                                                                            \
+  } while (0)
+
+bool have_program(const std::string& name);
+bool is_root();
+
+class TempDir {
+ public:
+  TempDir();
+  ~TempDir();
+  TempDir(const TempDir&) = delete;
+  TempDir& operator=(const TempDir&) = delete;
+  const std::filesystem::path& path() const { return path_; }
+  std::string operator/(const std::string& name) const { return (path_ / name).string(); }
+
+ private:
+  std::filesystem::path path_;
+};
+
+// Creates a file of `size` bytes; `fill` < 0 leaves it sparse, else every byte is `fill`.
+void make_file(const std::string& path, uint64_t size, int fill = -1);
+std::string read_file(const std::string& path, uint64_t offset, size_t length);
+
+struct RunResult {
+  int status = -1;  // exit code, or 128+signal
+  std::string output;  // stdout and stderr together
+};
+// Runs argv (no shell) and waits at most `timeout`; a child still running then is killed.
+RunResult run(const std::vector<std::string>& argv,
+              std::chrono::seconds timeout = std::chrono::seconds(120));
+
+// A shareblkd child process. Waits until `ready_socket` accepts connections.
+class Daemon {
+ public:
+  static std::string binary();
+  Daemon(const std::vector<std::string>& args, const std::string& ready_socket);
+  ~Daemon();
+  Daemon(const Daemon&) = delete;
+  Daemon& operator=(const Daemon&) = delete;
+
+  pid_t pid() const { return pid_; }
+  // Sends `sig` and waits for the exit; returns the exit status as in RunResult.
+  int stop(int sig = 15);
+  const std::string& log_path() const { return log_; }
+  std::string log() const;
+
+ private:
+  pid_t pid_ = -1;
+  std::string log_;
+};
+
+bool wait_for_socket(const std::string& path, std::chrono::milliseconds timeout);
+
+}  // namespace shareblk::testing
