@@ -248,7 +248,11 @@ void ControlPlane::Impl::serve_client(int fd) {
       }
     }
     buffer.erase(0, start);
-    if (buffer.size() > kMaxLine) {
+    if (skipping) {
+      // More of an over-long line that was already answered: one line, one reply, however
+      // long it goes on.
+      buffer.clear();
+    } else if (buffer.size() > kMaxLine) {
       std::string reply =
           error_response(nullptr, kParseError, "invalid_params", "line too long").dump() + "\n";
       ::send(fd, reply.data(), reply.size(), MSG_NOSIGNAL);

@@ -113,6 +113,7 @@ void Connection::post_recv() {
   }
   // Back-pressure: a client with too much in flight waits for replies before we read more.
   if (inflight_ >= kMaxInflight || inflight_bytes_ >= kMaxInflightBytes) return;
+  if (rend_ - rpos_ >= kRequestSize) return;
   if (rpos_ > 0) {
     std::memmove(rbuf_.get(), rbuf_.get() + rpos_, rend_ - rpos_);
     rend_ -= rpos_;
@@ -163,6 +164,7 @@ void Connection::parse() {
       if (discard_left_ > 0) break;
       continue;
     }
+    if (inflight_ >= kMaxInflight || inflight_bytes_ >= kMaxInflightBytes) break;
     if (rend_ - rpos_ < kRequestSize) break;
     nbd::Request h = decode_request(reinterpret_cast<const uint8_t*>(rbuf_.get() + rpos_));
     rpos_ += kRequestSize;
@@ -230,7 +232,7 @@ bool Connection::begin_request(const nbd::Request& h) {
     finish_request(r, err);
     return true;
   }
-  if (has_payload) {
+  if (has_payload && h.length > 0) {  // a zero-length write has no buffer to copy into
     const uint32_t have = static_cast<uint32_t>(std::min<size_t>(h.length, rend_ - rpos_));
     std::memcpy(r->buf, rbuf_.get() + rpos_, have);
     rpos_ += have;
@@ -441,6 +443,8 @@ void Connection::on_sent(int res) {
       }
     }
   }
+  parse();
+  post_recv();
   send_more();
   maybe_close();
 }
