@@ -26,11 +26,16 @@ constexpr int kMethodNotFound = -32601;
 
 int code_for(const std::string& reason) {
   static const std::pair<const char*, int> kCodes[] = {
-      {"invalid_params", -32602},        {"internal", -32603},
-      {"not_found", -32001},             {"volume_in_use", -32002},
-      {"not_multiattach", -32003},       {"attachment_id_required", -32004},
-      {"duplicate_attachment", -32005},  {"policy_denied", -32006},
-      {"invalid_state", -32007},         {"no_space", -32008},
+      {"invalid_params", -32602},
+      {"internal", -32603},
+      {"not_found", -32001},
+      {"volume_in_use", -32002},
+      {"not_multiattach", -32003},
+      {"attachment_id_required", -32004},
+      {"duplicate_attachment", -32005},
+      {"policy_denied", -32006},
+      {"invalid_state", -32007},
+      {"no_space", -32008},
   };
   for (const auto& [name, code] : kCodes) {
     if (reason == name) return code;
@@ -93,9 +98,13 @@ struct ControlPlane::Impl {
 ControlPlane::ControlPlane(const std::string& db_path, lvm::VolumeStore& store, Policy policy)
     : impl_(std::make_unique<Impl>(db_path, store, policy)) {}
 
-ControlPlane::~ControlPlane() { stop(); }
+ControlPlane::~ControlPlane() {
+  stop();
+}
 
-std::shared_ptr<target::ExportCatalog> ControlPlane::catalog() { return impl_->catalog; }
+std::shared_ptr<target::ExportCatalog> ControlPlane::catalog() {
+  return impl_->catalog;
+}
 
 void ControlPlane::bind(target::Server* server, Endpoints endpoints) {
   impl_->service.bind(server, std::move(endpoints));
@@ -112,15 +121,17 @@ Json ControlPlane::Impl::handle_one(const Json& request, const Caller& caller) {
                           "id must be a string, a number or null");
   }
   auto respond = [&](Json response) { return notification ? Json() : response; };
-  if (request.value("jsonrpc", "") != "2.0" || !request.contains("method") ||
+  // Compared as JSON, not read with value(), which throws when "jsonrpc" is not a string.
+  const auto version = request.find("jsonrpc");
+  if (version == request.end() || *version != Json("2.0") || !request.contains("method") ||
       !request["method"].is_string()) {
     return respond(error_response(id, kInvalidRequest, "invalid_params",
                                   "a request needs \"jsonrpc\": \"2.0\" and a method name"));
   }
   const std::string method = request["method"].get<std::string>();
   if (!service.has_method(method)) {
-    return respond(error_response(id, kMethodNotFound, "not_found",
-                                  "unknown method '" + method + "'"));
+    return respond(
+        error_response(id, kMethodNotFound, "not_found", "unknown method '" + method + "'"));
   }
   Json params = request.contains("params") ? request["params"] : Json::object();
   if (params.is_null()) params = Json::object();
@@ -171,7 +182,8 @@ std::error_code ControlPlane::listen(const std::string& path) {
   Impl& s = *impl_;
   sockaddr_un addr{};
   addr.sun_family = AF_UNIX;
-  if (path.size() >= sizeof addr.sun_path) return std::make_error_code(std::errc::filename_too_long);
+  if (path.size() >= sizeof addr.sun_path)
+    return std::make_error_code(std::errc::filename_too_long);
   std::memcpy(addr.sun_path, path.c_str(), path.size() + 1);
   struct stat st {};
   if (::lstat(path.c_str(), &st) == 0 && S_ISSOCK(st.st_mode)) ::unlink(path.c_str());

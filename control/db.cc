@@ -77,8 +77,8 @@ constexpr const char* kAttachmentColumns =
     "detach_time, connector, export_name, created_at";
 
 VolumeRow volume_from(const Statement& s) {
-  return VolumeRow{s.text(0),          s.text(1),          static_cast<uint64_t>(s.integer(2)),
-                   s.integer(3) != 0,  s.integer(4) != 0,  s.text(5)};
+  return VolumeRow{s.text(0),         s.text(1),         static_cast<uint64_t>(s.integer(2)),
+                   s.integer(3) != 0, s.integer(4) != 0, s.text(5)};
 }
 
 AttachmentRow attachment_from(const Statement& s) {
@@ -110,7 +110,9 @@ Database::Database(const std::string& path) {
   exec(kSchema);
 }
 
-Database::~Database() { sqlite3_close(db_); }
+Database::~Database() {
+  sqlite3_close(db_);
+}
 
 void Database::exec(const char* sql) {
   char* message = nullptr;
@@ -140,8 +142,9 @@ void Database::Transaction::commit() {
 }
 
 std::vector<VolumeRow> Database::Transaction::volumes() {
-  Statement s(db_.db_, (std::string("SELECT ") + kVolumeColumns +
-                        " FROM volumes ORDER BY created_at, id").c_str());
+  Statement s(
+      db_.db_,
+      (std::string("SELECT ") + kVolumeColumns + " FROM volumes ORDER BY created_at, id").c_str());
   std::vector<VolumeRow> rows;
   while (s.step()) rows.push_back(volume_from(s));
   return rows;
@@ -156,8 +159,9 @@ std::optional<VolumeRow> Database::Transaction::volume(const std::string& id) {
 }
 
 void Database::Transaction::insert_volume(const VolumeRow& v) {
-  Statement s(db_.db_, "INSERT INTO volumes (id, name, size, multiattach, bootable, created_at) "
-                       "VALUES (?, ?, ?, ?, ?, ?)");
+  Statement s(db_.db_,
+              "INSERT INTO volumes (id, name, size, multiattach, bootable, created_at) "
+              "VALUES (?, ?, ?, ?, ?, ?)");
   s.bind(1, v.id).bind(2, v.name).bind(3, static_cast<int64_t>(v.size));
   s.bind(4, int64_t{v.multiattach}).bind(5, int64_t{v.bootable}).bind(6, v.created_at);
   s.step();
@@ -192,8 +196,9 @@ std::vector<AttachmentRow> Database::Transaction::attachments(const std::string&
 }
 
 std::optional<AttachmentRow> Database::Transaction::attachment(const std::string& id) {
-  Statement s(db_.db_, (std::string("SELECT ") + kAttachmentColumns +
-                        " FROM volume_attachment WHERE id = ?").c_str());
+  Statement s(db_.db_,
+              (std::string("SELECT ") + kAttachmentColumns + " FROM volume_attachment WHERE id = ?")
+                  .c_str());
   s.bind(1, id);
   if (!s.step()) return std::nullopt;
   return attachment_from(s);
@@ -202,7 +207,8 @@ std::optional<AttachmentRow> Database::Transaction::attachment(const std::string
 std::optional<AttachmentRow> Database::Transaction::attachment_by_export(
     const std::string& export_name) {
   Statement s(db_.db_, (std::string("SELECT ") + kAttachmentColumns +
-                        " FROM volume_attachment WHERE export_name = ?").c_str());
+                        " FROM volume_attachment WHERE export_name = ?")
+                           .c_str());
   s.bind(1, export_name);
   if (!s.step()) return std::nullopt;
   return attachment_from(s);

@@ -33,7 +33,7 @@ struct AttachmentRow {
   std::string attach_status;  // reserved | attaching | attached | detaching | detached
   std::string attach_time;    // ISO 8601, empty when not yet attached
   std::string detach_time;
-  std::string connector;      // JSON text, empty when none
+  std::string connector;  // JSON text, empty when none
   std::string export_name;
   std::string created_at;
 };

@@ -6,6 +6,7 @@
 
 #include <chrono>
 #include <cstdio>
+#include <cstring>
 #include <ctime>
 #include <set>
 
@@ -56,7 +57,9 @@ std::string now_iso() {
   return buf;
 }
 
-[[noreturn]] void invalid(const std::string& message) { throw ApiError("invalid_params", message); }
+[[noreturn]] void invalid(const std::string& message) {
+  throw ApiError("invalid_params", message);
+}
 
 // Parameters are checked strictly: an unknown key is more likely a typo than an intent.
 void only_keys(const Json& p, std::initializer_list<const char*> keys) {
@@ -111,8 +114,8 @@ uint64_t parse_size(const Json& v) {
     if (suffix.empty()) {
       shift = 0;
     } else if (suffix.size() == 1 && std::string("KkMmGgTt").find(suffix[0]) != std::string::npos) {
-      shift = 10 * (1 + static_cast<int>(std::string("KMGT").find(
-                            static_cast<char>(std::toupper(static_cast<unsigned char>(suffix[0]))))));
+      shift = 10 * (1 + static_cast<int>(std::string("KMGT").find(static_cast<char>(
+                            std::toupper(static_cast<unsigned char>(suffix[0]))))));
     } else {
       invalid("size '" + s + "': unknown suffix (use K, M, G or T)");
     }
@@ -126,7 +129,28 @@ uint64_t parse_size(const Json& v) {
   return size;
 }
 
-bool live(const AttachmentRow& a) { return a.attach_status != "detached"; }
+// Whether two textual IP addresses are one address: "::ffff:10.0.0.1" is 10.0.0.1 and
+// "0:0::1" is ::1, as the peer's address is written one way only.
+bool same_address(const std::string& a, const std::string& b) {
+  auto parse = [](const std::string& text, in6_addr& out) {
+    in_addr v4{};
+    if (inet_pton(AF_INET, text.c_str(), &v4) == 1) {  // as the IPv4-mapped IPv6 address
+      out = in6_addr{};
+      out.s6_addr[10] = 0xff;
+      out.s6_addr[11] = 0xff;
+      std::memcpy(&out.s6_addr[12], &v4, sizeof v4);
+      return true;
+    }
+    return inet_pton(AF_INET6, text.c_str(), &out) == 1;
+  };
+  in6_addr x{};
+  in6_addr y{};
+  return parse(a, x) && parse(b, y) && std::memcmp(&x, &y, sizeof x) == 0;
+}
+
+bool live(const AttachmentRow& a) {
+  return a.attach_status != "detached";
+}
 bool serving(const AttachmentRow& a) {
   return a.attach_status == "attaching" || a.attach_status == "attached";
 }
@@ -200,8 +224,8 @@ void Service::reconcile() {
 
 bool Service::has_method(const std::string& method) const {
   static const std::set<std::string> kMethods = {
-      "volume_create",     "volume_list",         "volume_show",       "volume_delete",
-      "volume_extend",     "volume_update",       "attachment_create", "attachment_update",
+      "volume_create",       "volume_list",       "volume_show",       "volume_delete",
+      "volume_extend",       "volume_update",     "attachment_create", "attachment_update",
       "attachment_complete", "attachment_delete", "attachment_list",   "attachment_show",
       "volume_detach"};
   return kMethods.count(method) != 0;
@@ -231,8 +255,7 @@ std::shared_ptr<std::mutex> Service::volume_lock(const std::string& volume_id) {
   return m;
 }
 
-std::shared_ptr<backend::Volume> Service::open_volume(const std::string& volume_id,
-                                                      uint64_t size) {
+std::shared_ptr<backend::Volume> Service::open_volume(const std::string& volume_id, uint64_t size) {
   std::lock_guard lock(open_mutex_);
   auto& v = open_volumes_[volume_id];
   if (!v) {
@@ -440,7 +463,19 @@ Json Service::volume_update(const Json& p) {
     }
     v.multiattach = *multiattach;
   }
-  if (auto bootable = opt_bool(p, "bootable")) v.bootable = *bootable;
+  if (auto bootable = opt_bool(p, "bootable")) {
+    // Making a volume that several attachments share bootable would make the shared bootable
+    // volume that the policy forbids attaching.
+    if (*bootable && !v.bootable && !policy_.allow_multiattach_bootable) {
+      size_t live_attachments = 0;
+      for (const auto& a : tx.attachments(id)) live_attachments += live(a) ? 1 : 0;
+      if (live_attachments > 1) {
+        throw ApiError("policy_denied",
+                       "policy forbids a bootable volume with several attachments");
+      }
+    }
+    v.bootable = *bootable;
+  }
   tx.update_volume(v);
   Json out = volume_json(tx, v);
   tx.commit();
@@ -452,8 +487,8 @@ Json Service::volume_update(const Json& p) {
 void Service::connect(Database::Transaction& tx, AttachmentRow& a, const Json& connector) {
   (void)tx;
   if (!connector.is_object()) invalid("connector must be an object");
-  only_keys(connector, {"host", "ip", "transport", "initiator", "platform", "os_type",
-                        "multipath", "mountpoint"});
+  only_keys(connector, {"host", "ip", "transport", "initiator", "platform", "os_type", "multipath",
+                        "mountpoint"});
   need_string(connector, "host");
   const std::string transport = opt_string(connector, "transport").value_or("tcp");
   if (transport == "tcp") {
@@ -504,8 +539,8 @@ Json Service::attachment_create(const Json& p) {
   }
   for (const auto& other : current) {
     if (other.instance_uuid == a.instance_uuid && other.attached_host == a.attached_host) {
-      throw ApiError("duplicate_attachment", "instance " + a.instance_uuid +
-                                                 " already has attachment " + other.id);
+      throw ApiError("duplicate_attachment",
+                     "instance " + a.instance_uuid + " already has attachment " + other.id);
     }
   }
   if (!current.empty()) {
@@ -635,8 +670,8 @@ Json Service::volume_detach(const Json& p) {
     if (attachment_id) {
       AttachmentRow a = find_attachment(tx, *attachment_id);
       if (a.volume_id != volume_id) {
-        throw ApiError("not_found", "attachment " + *attachment_id + " is not of volume " +
-                                        volume_id);
+        throw ApiError("not_found",
+                       "attachment " + *attachment_id + " is not of volume " + volume_id);
       }
     } else if (current.empty()) {
       throw ApiError("invalid_state", "volume " + volume_id + " is not attached");
@@ -689,17 +724,16 @@ target::ExportCatalog::Lookup Service::resolve(const std::string& export_name,
   }
   const Json connector = Json::parse(a.connector);
   if (!peer.address.empty() && connector.contains("ip") &&
-      connector["ip"].get<std::string>() != peer.address) {
+      !same_address(connector["ip"].get<std::string>(), peer.address)) {
     spdlog::warn("control: attachment {} refused a client from {} (connector ip {})", a.id,
                  peer.address, connector["ip"].get<std::string>());
     return {std::nullopt, Refusal::Policy};
   }
   auto volume = open_volume(a.volume_id, size);
   if (!volume) return {std::nullopt, Refusal::Unknown};
-  return {target::Export{volume,
-                         a.mode == "ro" ? backend::AttachMode::ReadOnly
-                                        : backend::AttachMode::ReadWrite,
-                         a.id, ""}};
+  return {target::Export{
+      volume, a.mode == "ro" ? backend::AttachMode::ReadOnly : backend::AttachMode::ReadWrite, a.id,
+      ""}};
 }
 
 }  // namespace shareblk::control

@@ -34,8 +34,7 @@ class Service {
   Json call(const std::string& method, const Json& params);
   bool has_method(const std::string& method) const;
 
-  target::ExportCatalog::Lookup resolve(const std::string& export_name,
-                                        const target::Peer& peer);
+  target::ExportCatalog::Lookup resolve(const std::string& export_name, const target::Peer& peer);
 
  private:
   Json volume_create(const Json& p);

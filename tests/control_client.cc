@@ -20,10 +20,9 @@ nlohmann::json rpc(const std::string& socket, const std::string& method,
     ::close(fd);
     throw std::runtime_error("cannot connect to " + socket);
   }
-  std::string line = nlohmann::json{{"jsonrpc", "2.0"}, {"id", 1}, {"method", method},
-                                    {"params", params}}
-                         .dump() +
-                     "\n";
+  std::string line =
+      nlohmann::json{{"jsonrpc", "2.0"}, {"id", 1}, {"method", method}, {"params", params}}.dump() +
+      "\n";
   ::send(fd, line.data(), line.size(), MSG_NOSIGNAL);
   std::string reply;
   char buf[65536];

@@ -1,0 +1,913 @@
+// The control plane end to end: a real shareblkd in managed mode, driven through its control
+// socket and the shareblk CLI, with real NBD clients (libnbd, qemu-io, nbdinfo) on the
+// attachments' connection_info.
+#include <arpa/inet.h>
+#include <gtest/gtest.h>
+#include <libnbd.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstring>
+#include <filesystem>
+#include <latch>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "tests/support.h"
+
+namespace {
+
+namespace fs = std::filesystem;
+namespace st = shareblk::testing;
+using Json = nlohmann::json;
+using std::chrono::milliseconds;
+using std::chrono::seconds;
+
+constexpr uint64_t kMiB = 1 << 20;
+constexpr size_t k64K = 64 * 1024;
+
+// One connection to the control socket: JSON-RPC 2.0, one JSON object per line each way.
+class RpcConnection {
+ public:
+  explicit RpcConnection(const std::string& path) {
+    fd_ = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    sockaddr_un addr{};
+    addr.sun_family = AF_UNIX;
+    std::strncpy(addr.sun_path, path.c_str(), sizeof addr.sun_path - 1);
+    if (fd_ < 0 || ::connect(fd_, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) {
+      const std::string why = std::strerror(errno);
+      if (fd_ >= 0) ::close(fd_);
+      throw std::runtime_error("cannot connect to " + path + ": " + why);
+    }
+  }
+  ~RpcConnection() { ::close(fd_); }
+  RpcConnection(const RpcConnection&) = delete;
+  RpcConnection& operator=(const RpcConnection&) = delete;
+
+  bool send_raw(const std::string& bytes) {
+    for (size_t done = 0; done < bytes.size();) {
+      ssize_t n = ::send(fd_, bytes.data() + done, bytes.size() - done, MSG_NOSIGNAL);
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0) return false;
+      done += static_cast<size_t>(n);
+    }
+    return true;
+  }
+
+  // The next reply line, or nothing when none comes within `timeout` (or the daemon closed).
+  std::optional<std::string> read_line(milliseconds timeout = milliseconds(10000)) {
+    const auto deadline = std::chrono::steady_clock::now() + timeout;
+    for (;;) {
+      if (size_t nl = buffer_.find('\n'); nl != std::string::npos) {
+        std::string line = buffer_.substr(0, nl);
+        buffer_.erase(0, nl + 1);
+        return line;
+      }
+      const auto left =
+          std::chrono::duration_cast<milliseconds>(deadline - std::chrono::steady_clock::now());
+      if (left.count() <= 0) return std::nullopt;
+      pollfd p{fd_, POLLIN, 0};
+      if (::poll(&p, 1, static_cast<int>(left.count())) <= 0) continue;
+      char chunk[65536];
+      ssize_t n = ::recv(fd_, chunk, sizeof chunk, 0);
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0) return std::nullopt;
+      buffer_.append(chunk, static_cast<size_t>(n));
+    }
+  }
+
+  // The next reply, parsed; null when there is none or it is not JSON.
+  Json read_reply(milliseconds timeout = milliseconds(10000)) {
+    std::optional<std::string> line = read_line(timeout);
+    if (!line) return nullptr;
+    Json reply = Json::parse(*line, nullptr, /*allow_exceptions=*/false);
+    return reply.is_discarded() ? Json(nullptr) : reply;
+  }
+
+  // One call: the whole response object.
+  Json call(const std::string& method, const Json& params) {
+    const int id = next_id_++;
+    const Json req{{"jsonrpc", "2.0"}, {"id", id}, {"method", method}, {"params", params}};
+    if (!send_raw(req.dump() + "\n")) return nullptr;
+    Json reply = read_reply(milliseconds(60000));
+    EXPECT_TRUE(reply.is_object() && reply.value("id", Json()) == id) << method << ": " << reply;
+    return reply;
+  }
+
+ private:
+  int fd_ = -1;
+  std::string buffer_;
+  int next_id_ = 1;
+};
+
+// One JSON-RPC call on a connection of its own.
+Json rpc(const std::string& socket, const std::string& method, const Json& params) {
+  RpcConnection connection(socket);
+  return connection.call(method, params);
+}
+
+std::string reason_of(const Json& response) {
+  if (!response.is_object() || !response.contains("error")) return "(no error)";
+  return response["error"]["data"].value("reason", "(no reason)");
+}
+
+using NbdHandle = std::unique_ptr<nbd_handle, decltype(&nbd_close)>;
+
+NbdHandle new_handle() {
+  NbdHandle h(nbd_create(), &nbd_close);
+  if (!h) throw std::runtime_error(std::string("nbd_create: ") + nbd_get_error());
+  return h;
+}
+
+// Connects to `uri`; null when the server refuses, with libnbd's errno in *errnum: ENOENT
+// when the server answered NBD_REP_ERR_UNKNOWN.
+NbdHandle nbd_open(const std::string& uri, int* errnum = nullptr) {
+  NbdHandle h = new_handle();
+  if (nbd_connect_uri(h.get(), uri.c_str()) == -1) {
+    if (errnum) *errnum = nbd_get_errno();
+    return NbdHandle(nullptr, &nbd_close);
+  }
+  return h;
+}
+
+// Connects to `uri` with libnbd's own checks off, so that every request reaches the server
+// whatever the export advertises.
+NbdHandle nbd_open_unchecked(const std::string& uri) {
+  NbdHandle h = new_handle();
+  nbd_set_strict_mode(h.get(), 0);
+  if (nbd_connect_uri(h.get(), uri.c_str()) == -1) return NbdHandle(nullptr, &nbd_close);
+  return h;
+}
+
+std::string pattern(char byte, size_t length) {
+  return std::string(length, byte);
+}
+
+std::string nbd_read(nbd_handle* h, uint64_t offset, size_t length) {
+  std::string data(length, '\0');
+  if (nbd_pread(h, data.data(), length, offset, 0) == -1) {
+    ADD_FAILURE() << "nbd_pread: " << nbd_get_error();
+    return {};
+  }
+  return data;
+}
+
+class ControlE2eTest : public ::testing::Test {
+ protected:
+  void SetUp() override { start(); }
+  // A clean shutdown is part of every test: under the sanitizers a leak or a runtime error
+  // shows up only here.
+  void TearDown() override {
+    if (!daemon_) return;
+    const int status = daemon_->stop(SIGTERM);
+    const std::string log = daemon_->log();
+    EXPECT_EQ(status, 0) << log;
+    EXPECT_EQ(log.find("Sanitizer"), std::string::npos) << log;
+    EXPECT_EQ(log.find("runtime error"), std::string::npos) << log;
+  }
+
+  void start(const std::vector<std::string>& extra = {}) {
+    daemon_.reset();
+    std::vector<std::string> args{
+        "--state-dir",  dir_.path().string(), "--listen-unix", nbd_socket(),
+        "--listen-tcp", "127.0.0.1:0",        "--workers",     "2"};
+    args.insert(args.end(), extra.begin(), extra.end());
+    daemon_ = std::make_unique<st::Daemon>(args, control_socket());
+  }
+
+  std::string control_socket() const { return dir_ / "shareblk.sock"; }
+  std::string nbd_socket() const { return dir_ / "nbd.sock"; }
+  std::string backing(const std::string& volume_id) const {
+    return dir_ / ("volumes/" + volume_id + ".img");
+  }
+
+  Json ok(const std::string& method, const Json& params) {
+    Json response = rpc(control_socket(), method, params);
+    EXPECT_TRUE(response.contains("result"))
+        << method << " " << params << " -> " << response << "\n"
+        << daemon_->log();
+    return response.value("result", Json());
+  }
+  std::string reason(const std::string& method, const Json& params) {
+    return reason_of(rpc(control_socket(), method, params));
+  }
+
+  Json create_volume(const std::string& name, uint64_t size, bool multiattach) {
+    return ok("volume_create", {{"name", name}, {"size", size}, {"multiattach", multiattach}});
+  }
+
+  // An attachment through to attached, its connector on `transport`.
+  Json attach(const std::string& volume_id, const std::string& instance, const std::string& mode,
+              const std::string& transport = "unix", const std::string& ip = "") {
+    Json connector{{"host", "host-" + instance}, {"transport", transport}};
+    if (!ip.empty()) connector["ip"] = ip;
+    Json a = ok("attachment_create", {{"volume_id", volume_id},
+                                      {"instance_uuid", instance},
+                                      {"mode", mode},
+                                      {"connector", connector}});
+    EXPECT_EQ(a["attach_status"], "attaching") << a;
+    return ok("attachment_complete", {{"attachment_id", a["id"]}});
+  }
+
+  static std::string uri_of(const Json& attachment) {
+    return attachment["connection_info"]["data"]["uri"].get<std::string>();
+  }
+  static std::string export_of(const Json& attachment) {
+    return attachment["connection_info"]["data"]["export_name"].get<std::string>();
+  }
+
+  size_t connections(const std::string& attachment_id) {
+    return ok("attachment_show", {{"attachment_id", attachment_id}})
+        .value("connections", size_t{9999});
+  }
+  // The server counts a connection once its handshake is done, which may be a moment after
+  // the client saw the handshake end.
+  bool wait_connections(const std::string& attachment_id, size_t want) {
+    const auto deadline = std::chrono::steady_clock::now() + seconds(10);
+    while (std::chrono::steady_clock::now() < deadline) {
+      if (connections(attachment_id) == want) return true;
+      std::this_thread::sleep_for(milliseconds(10));
+    }
+    return false;
+  }
+
+  st::TempDir dir_;
+  std::unique_ptr<st::Daemon> daemon_;
+};
+
+// --- Data paths ---
+
+TEST_F(ControlE2eTest, DataWrittenThroughRwIsReadThroughRo) {
+  const std::string vol = create_volume("shared", 4 * kMiB, true)["id"];
+  Json rw = attach(vol, "writer", "rw");
+  Json ro = attach(vol, "reader", "ro");
+  EXPECT_NE(export_of(rw), export_of(ro));
+  EXPECT_EQ(rw["connection_info"]["data"]["shareable"], true);
+  EXPECT_EQ(ok("volume_show", {{"volume_id", vol}})["status"], "in-use");
+
+  NbdHandle writer = nbd_open(uri_of(rw));
+  ASSERT_TRUE(writer) << nbd_get_error();
+  EXPECT_EQ(nbd_is_read_only(writer.get()), 0);
+  EXPECT_EQ(nbd_get_size(writer.get()), static_cast<int64_t>(4 * kMiB));
+  const std::string first = pattern('\xab', k64K);
+  const std::string second = pattern('\xcd', 4096);
+  ASSERT_EQ(nbd_pwrite(writer.get(), first.data(), first.size(), 0, 0), 0) << nbd_get_error();
+  ASSERT_EQ(nbd_pwrite(writer.get(), second.data(), second.size(), 3 * kMiB + 512, 0), 0)
+      << nbd_get_error();
+  ASSERT_EQ(nbd_flush(writer.get(), 0), 0) << nbd_get_error();
+
+  NbdHandle reader = nbd_open(uri_of(ro));
+  ASSERT_TRUE(reader) << nbd_get_error();
+  EXPECT_EQ(nbd_is_read_only(reader.get()), 1);
+  EXPECT_EQ(nbd_get_size(reader.get()), static_cast<int64_t>(4 * kMiB));
+  EXPECT_EQ(nbd_read(reader.get(), 0, k64K), first);
+  EXPECT_EQ(nbd_read(reader.get(), 3 * kMiB + 512, 4096), second);
+  EXPECT_EQ(nbd_read(reader.get(), k64K, 4096), pattern('\0', 4096));
+  // And the bytes are the volume's own.
+  EXPECT_EQ(st::read_file(backing(vol), 0, k64K), first);
+}
+
+TEST_F(ControlE2eTest, ReadOnlyAttachmentRefusesEveryWrite) {
+  const std::string vol = create_volume("guarded", 2 * kMiB, true)["id"];
+  Json rw = attach(vol, "writer", "rw");
+  Json ro = attach(vol, "reader", "ro");
+  {
+    NbdHandle writer = nbd_open(uri_of(rw));
+    ASSERT_TRUE(writer) << nbd_get_error();
+    const std::string data = pattern('\x77', 2 * kMiB);
+    ASSERT_EQ(nbd_pwrite(writer.get(), data.data(), data.size(), 0, 0), 0) << nbd_get_error();
+    ASSERT_EQ(nbd_flush(writer.get(), 0), 0) << nbd_get_error();
+  }
+  const std::string before = st::read_file(backing(vol), 0, 2 * kMiB);
+  ASSERT_EQ(before, pattern('\x77', 2 * kMiB));
+
+  NbdHandle reader = nbd_open_unchecked(uri_of(ro));
+  ASSERT_TRUE(reader) << nbd_get_error();
+  ASSERT_EQ(nbd_is_read_only(reader.get()), 1);
+  const std::string junk = pattern('\x01', k64K);
+  struct Range {
+    uint64_t offset;
+    uint64_t length;
+  };
+  const Range ranges[] = {
+      {0, 512},        {0, k64K}, {kMiB + 4096, 4096}, {123, 1000}, {2 * kMiB - 512, 512},
+      {2 * kMiB, 512}, {0, 0}};
+  for (const Range& r : ranges) {
+    for (uint32_t flags : {0u, LIBNBD_CMD_FLAG_FUA}) {
+      EXPECT_EQ(nbd_pwrite(reader.get(), junk.data(), r.length, r.offset, flags), -1);
+      EXPECT_EQ(nbd_get_errno(), EPERM) << "write " << r.offset << "+" << r.length << " flags "
+                                        << flags << ": " << nbd_get_error();
+      EXPECT_EQ(nbd_trim(reader.get(), r.length, r.offset, flags), -1);
+      EXPECT_EQ(nbd_get_errno(), EPERM) << "trim " << r.offset << "+" << r.length << " flags "
+                                        << flags << ": " << nbd_get_error();
+    }
+    for (uint32_t flags :
+         {0u, LIBNBD_CMD_FLAG_FUA, LIBNBD_CMD_FLAG_NO_HOLE, LIBNBD_CMD_FLAG_FAST_ZERO,
+          LIBNBD_CMD_FLAG_FUA | LIBNBD_CMD_FLAG_NO_HOLE}) {
+      EXPECT_EQ(nbd_zero(reader.get(), r.length, r.offset, flags), -1);
+      EXPECT_EQ(nbd_get_errno(), EPERM) << "zero " << r.offset << "+" << r.length << " flags "
+                                        << flags << ": " << nbd_get_error();
+    }
+  }
+  // Flags no server accepts on these commands are refused too (the server may say EINVAL).
+  EXPECT_EQ(nbd_pwrite(reader.get(), junk.data(), 4096, 0, LIBNBD_CMD_FLAG_DF), -1);
+  EXPECT_EQ(nbd_trim(reader.get(), 4096, 0, LIBNBD_CMD_FLAG_NO_HOLE), -1);
+  EXPECT_EQ(nbd_zero(reader.get(), 4096, 0, LIBNBD_CMD_FLAG_REQ_ONE), -1);
+
+  // The connection survives the refusals and still reads; flush is harmless.
+  EXPECT_EQ(nbd_flush(reader.get(), 0), 0) << nbd_get_error();
+  EXPECT_EQ(nbd_read(reader.get(), 0, k64K), pattern('\x77', k64K));
+  reader.reset();
+  EXPECT_EQ(st::read_file(backing(vol), 0, 2 * kMiB), before) << "a read-only write got through";
+}
+
+TEST_F(ControlE2eTest, QemuIoReadsThroughReadOnlyAttachment) {
+  SHAREBLK_REQUIRE(st::have_program("qemu-io"), "qemu-io is not installed");
+  const std::string vol = create_volume("qemu", 2 * kMiB, true)["id"];
+  Json rw = attach(vol, "writer", "rw");
+  Json ro = attach(vol, "reader", "ro");
+  {
+    NbdHandle writer = nbd_open(uri_of(rw));
+    ASSERT_TRUE(writer) << nbd_get_error();
+    const std::string data = pattern('\x5a', k64K);
+    ASSERT_EQ(nbd_pwrite(writer.get(), data.data(), data.size(), 0, 0), 0) << nbd_get_error();
+    ASSERT_EQ(nbd_flush(writer.get(), 0), 0) << nbd_get_error();
+  }
+  st::RunResult read =
+      st::run({"qemu-io", "-f", "raw", "-r", uri_of(ro), "-c", "read -P 0x5a 0 64k"});
+  EXPECT_EQ(read.status, 0) << read.output;
+  EXPECT_NE(read.output.find("read 65536/65536 bytes"), std::string::npos) << read.output;
+  EXPECT_EQ(read.output.find("Pattern verification failed"), std::string::npos) << read.output;
+  // The check above can fail: the wrong pattern is noticed.
+  st::RunResult wrong =
+      st::run({"qemu-io", "-f", "raw", "-r", uri_of(ro), "-c", "read -P 0x00 0 64k"});
+  EXPECT_NE(wrong.output.find("Pattern verification failed"), std::string::npos) << wrong.output;
+
+  // qemu cannot write through the read-only attachment either.
+  const std::string before = st::read_file(backing(vol), 0, 2 * kMiB);
+  st::RunResult write = st::run({"qemu-io", "-f", "raw", uri_of(ro), "-c", "write -P 0x11 0 64k"});
+  EXPECT_EQ(write.output.find("wrote 65536/65536"), std::string::npos) << write.output;
+  EXPECT_EQ(st::read_file(backing(vol), 0, 2 * kMiB), before);
+}
+
+// --- Export names are capabilities ---
+
+TEST_F(ControlE2eTest, ExportNamesAreNeitherListedNorGuessable) {
+  const std::string vol = create_volume("secret", kMiB, true)["id"];
+  Json unix_rw = attach(vol, "a", "rw");
+  Json tcp_ro = attach(vol, "b", "ro", "tcp");
+  const std::vector<std::string> names{export_of(unix_rw), export_of(tcp_ro)};
+
+  // NBD_OPT_LIST, on both listeners.
+  for (const std::string& uri : {"nbd+unix:///?socket=" + nbd_socket(),
+                                 uri_of(tcp_ro).substr(0, uri_of(tcp_ro).rfind('/') + 1)}) {
+    NbdHandle h = new_handle();
+    ASSERT_EQ(nbd_set_opt_mode(h.get(), true), 0);
+    ASSERT_EQ(nbd_connect_uri(h.get(), uri.c_str()), 0) << uri << ": " << nbd_get_error();
+    std::vector<std::string> listed;
+    nbd_list_callback collect{[](void* user, const char* name, const char*) {
+                                static_cast<std::vector<std::string>*>(user)->push_back(name);
+                                return 0;
+                              },
+                              &listed, nullptr};
+    const int count = nbd_opt_list(h.get(), collect);
+    // A server may refuse to list at all; what it must not do is reveal a name.
+    if (count != -1) {
+      EXPECT_EQ(count, 0) << uri;
+    }
+    for (const std::string& name : listed) {
+      for (const std::string& secret : names) EXPECT_EQ(name.find(secret), std::string::npos);
+    }
+    nbd_opt_abort(h.get());
+  }
+  if (st::have_program("nbdinfo")) {
+    st::RunResult list = st::run({"nbdinfo", "--list", "nbd+unix:///?socket=" + nbd_socket()});
+    for (const std::string& secret : names) {
+      EXPECT_EQ(list.output.find(secret), std::string::npos) << list.output;
+    }
+  }
+
+  // An unknown name, a near miss and the empty name are refused.
+  const std::string unix_uri = uri_of(unix_rw);
+  std::string near_miss = names[0];
+  near_miss.back() = near_miss.back() == '0' ? '1' : '0';
+  for (const std::string& name :
+       {std::string("0123456789abcdef0123456789abcdef"), near_miss, std::string()}) {
+    int err = 0;
+    EXPECT_FALSE(nbd_open("nbd+unix:///" + name + "?socket=" + nbd_socket(), &err)) << name;
+    EXPECT_EQ(err, ENOENT) << "'" << name << "' should be NBD_REP_ERR_UNKNOWN";
+  }
+  // A deleted attachment's name is refused from then on.
+  ASSERT_TRUE(nbd_open(unix_uri)) << nbd_get_error();
+  ok("attachment_delete", {{"attachment_id", unix_rw["id"]}});
+  int err = 0;
+  EXPECT_FALSE(nbd_open(unix_uri, &err));
+  EXPECT_EQ(err, ENOENT);
+  // A reserved attachment has no export yet; one that is attaching serves already.
+  Json reserved = ok("attachment_create", {{"volume_id", vol}, {"instance_uuid", "c"}});
+  EXPECT_EQ(reserved["connection_info"], nullptr);
+  Json attaching = ok("attachment_update", {{"attachment_id", reserved["id"]},
+                                            {"connector", {{"host", "h"}, {"transport", "unix"}}}});
+  EXPECT_TRUE(nbd_open(uri_of(attaching))) << nbd_get_error();
+}
+
+// --- Detach ---
+
+TEST_F(ControlE2eTest, DeleteClosesLiveConnections) {
+  const std::string vol = create_volume("detach", kMiB, false)["id"];
+  Json a = attach(vol, "instance", "rw");
+  const std::string id = a["id"];
+  NbdHandle h = nbd_open(uri_of(a));
+  ASSERT_TRUE(h) << nbd_get_error();
+  const std::string data = pattern('\x42', 4096);
+  ASSERT_EQ(nbd_pwrite(h.get(), data.data(), data.size(), 0, LIBNBD_CMD_FLAG_FUA), 0)
+      << nbd_get_error();
+  ASSERT_TRUE(wait_connections(id, 1)) << connections(id);
+  EXPECT_EQ(ok("volume_show", {{"volume_id", vol}})["attachments"][0]["connections"], 1);
+
+  Json deleted = ok("attachment_delete", {{"attachment_id", id}});
+  EXPECT_EQ(deleted["attach_status"], "detached");
+  EXPECT_EQ(deleted["connections"], 0);
+  EXPECT_EQ(connections(id), 0u);
+  EXPECT_EQ(ok("volume_show", {{"volume_id", vol}})["status"], "available");
+
+  // The connection is gone: the handle's next request fails.
+  std::string buf(4096, '\0');
+  EXPECT_EQ(nbd_pread(h.get(), buf.data(), buf.size(), 0, 0), -1);
+  // The name is dead, and what was written before the detach is on the volume.
+  int err = 0;
+  EXPECT_FALSE(nbd_open(uri_of(a), &err));
+  EXPECT_EQ(err, ENOENT);
+  EXPECT_EQ(st::read_file(backing(vol), 0, 4096), data);
+
+  // volume_detach does the same for the volume's one attachment.
+  Json again = attach(vol, "instance", "ro");
+  NbdHandle second = nbd_open(uri_of(again));
+  ASSERT_TRUE(second) << nbd_get_error();
+  ASSERT_TRUE(wait_connections(again["id"], 1));
+  Json detached = ok("volume_detach", {{"volume_id", vol}});
+  EXPECT_EQ(detached["id"], again["id"]);
+  EXPECT_EQ(detached["connections"], 0);
+  EXPECT_EQ(nbd_pread(second.get(), buf.data(), buf.size(), 0, 0), -1);
+  EXPECT_FALSE(nbd_open(uri_of(again), &err));
+  EXPECT_EQ(err, ENOENT);
+}
+
+// Requests the server has taken are answered before the connection closes, and no other is
+// carried out. A client writes one chunk after another while the attachment is deleted: the
+// chunks acknowledged are on the volume, and the write that failed is not.
+TEST_F(ControlE2eTest, DeleteAnswersRequestsInFlight) {
+  constexpr size_t kChunk = 4096;
+  constexpr size_t kChunks = 16 * kMiB / kChunk;
+  const std::string vol = create_volume("inflight", kChunks * kChunk, false)["id"];
+  Json a = attach(vol, "instance", "rw");
+  NbdHandle h = nbd_open(uri_of(a));
+  ASSERT_TRUE(h) << nbd_get_error();
+  ASSERT_TRUE(wait_connections(a["id"], 1));
+
+  auto chunk = [](size_t i) { return pattern(static_cast<char>('A' + i % 26), kChunk); };
+  std::atomic<size_t> acknowledged{0};
+  std::latch writing(1);
+  std::thread writer([&] {
+    for (size_t i = 0; i < kChunks; ++i) {
+      const std::string data = chunk(i);
+      if (nbd_pwrite(h.get(), data.data(), kChunk, i * kChunk, LIBNBD_CMD_FLAG_FUA) == -1) break;
+      acknowledged = i + 1;
+      if (i == 8) writing.count_down();
+    }
+    if (acknowledged <= 8) writing.count_down();
+  });
+  writing.wait();
+  Json deleted = ok("attachment_delete", {{"attachment_id", a["id"]}});
+  writer.join();
+  EXPECT_EQ(deleted["connections"], 0);
+  ASSERT_LT(acknowledged, kChunks) << "the writer finished before the detach";
+
+  const size_t done = acknowledged;
+  const std::string bytes = st::read_file(backing(vol), 0, (done + 1) * kChunk);
+  for (size_t i = 0; i < done; ++i) {
+    ASSERT_EQ(bytes.substr(i * kChunk, kChunk), chunk(i)) << "acknowledged write " << i;
+  }
+  EXPECT_EQ(bytes.substr(done * kChunk, kChunk), pattern('\0', kChunk))
+      << "write " << done << " failed but reached the volume";
+  RecordProperty("acknowledged", static_cast<int>(done));
+}
+
+TEST_F(ControlE2eTest, ExtendIsSeenByNewConnections) {
+  const std::string vol = create_volume("grow", kMiB, false)["id"];
+  Json a = attach(vol, "instance", "rw");
+  NbdHandle before = nbd_open(uri_of(a));
+  ASSERT_TRUE(before) << nbd_get_error();
+  EXPECT_EQ(nbd_get_size(before.get()), static_cast<int64_t>(kMiB));
+
+  Json grown = ok("volume_extend", {{"volume_id", vol}, {"size", "2M"}});
+  EXPECT_EQ(grown["size"], 2 * kMiB);
+  EXPECT_EQ(grown["attachments"][0]["connection_info"]["data"]["size"], 2 * kMiB);
+  EXPECT_EQ(fs::file_size(backing(vol)), 2 * kMiB);
+
+  NbdHandle after = nbd_open(uri_of(a));
+  ASSERT_TRUE(after) << nbd_get_error();
+  EXPECT_EQ(nbd_get_size(after.get()), static_cast<int64_t>(2 * kMiB));
+  const std::string data = pattern('\x6b', 4096);
+  ASSERT_EQ(nbd_pwrite(after.get(), data.data(), data.size(), kMiB + kMiB / 2, 0), 0)
+      << nbd_get_error();
+  ASSERT_EQ(nbd_flush(after.get(), 0), 0);
+  EXPECT_EQ(st::read_file(backing(vol), kMiB + kMiB / 2, 4096), data);
+  EXPECT_EQ(reason("volume_extend", {{"volume_id", vol}, {"size", "1M"}}), "invalid_params");
+}
+
+TEST_F(ControlE2eTest, SeveralConnectionsPerAttachment) {
+  const std::string vol = create_volume("multiconn", kMiB, false)["id"];
+  Json a = attach(vol, "instance", "rw");
+  const std::string id = a["id"];
+  NbdHandle first = nbd_open(uri_of(a));
+  NbdHandle second = nbd_open(uri_of(a));
+  ASSERT_TRUE(first && second) << nbd_get_error();
+  ASSERT_TRUE(wait_connections(id, 2)) << connections(id);
+
+  const std::string one = pattern('\x11', 4096);
+  const std::string two = pattern('\x22', 4096);
+  ASSERT_EQ(nbd_pwrite(first.get(), one.data(), one.size(), 0, 0), 0) << nbd_get_error();
+  ASSERT_EQ(nbd_pwrite(second.get(), two.data(), two.size(), 8192, 0), 0) << nbd_get_error();
+  ASSERT_EQ(nbd_flush(first.get(), 0), 0);
+  ASSERT_EQ(nbd_flush(second.get(), 0), 0);
+  EXPECT_EQ(nbd_read(second.get(), 0, 4096), one);
+  EXPECT_EQ(nbd_read(first.get(), 8192, 4096), two);
+
+  first.reset();
+  ASSERT_TRUE(wait_connections(id, 1)) << connections(id);
+  Json deleted = ok("attachment_delete", {{"attachment_id", id}});
+  EXPECT_EQ(deleted["connections"], 0);
+  std::string buf(512, '\0');
+  EXPECT_EQ(nbd_pread(second.get(), buf.data(), buf.size(), 0, 0), -1);
+}
+
+// --- TCP and the connector's address ---
+
+// Connects from `source` (a loopback address) to the TCP export in `uri`.
+NbdHandle nbd_open_tcp_from(const std::string& uri, const std::string& source) {
+  // nbd://HOST:PORT/NAME
+  const std::string rest = uri.substr(std::strlen("nbd://"));
+  const std::string hostport = rest.substr(0, rest.find('/'));
+  const std::string name = rest.substr(rest.find('/') + 1);
+  const std::string host = hostport.substr(0, hostport.rfind(':'));
+  const int port = std::stoi(hostport.substr(hostport.rfind(':') + 1));
+  int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_in from{};
+  from.sin_family = AF_INET;
+  ::inet_pton(AF_INET, source.c_str(), &from.sin_addr);
+  sockaddr_in to{};
+  to.sin_family = AF_INET;
+  to.sin_port = htons(static_cast<uint16_t>(port));
+  ::inet_pton(AF_INET, host.c_str(), &to.sin_addr);
+  if (::bind(fd, reinterpret_cast<sockaddr*>(&from), sizeof from) != 0 ||
+      ::connect(fd, reinterpret_cast<sockaddr*>(&to), sizeof to) != 0) {
+    ADD_FAILURE() << "connect from " << source << ": " << std::strerror(errno);
+    ::close(fd);
+    return NbdHandle(nullptr, &nbd_close);
+  }
+  NbdHandle h = new_handle();
+  nbd_set_export_name(h.get(), name.c_str());
+  if (nbd_connect_socket(h.get(), fd) == -1) return NbdHandle(nullptr, &nbd_close);
+  return h;
+}
+
+TEST_F(ControlE2eTest, TcpConnectorIpLimitsWhoConnects) {
+  const std::string vol = create_volume("tcp", kMiB, true)["id"];
+  Json local = attach(vol, "local", "rw", "tcp", "127.0.0.1");
+  Json other = attach(vol, "other", "ro", "tcp", "127.0.0.2");
+  ASSERT_EQ(uri_of(local).rfind("nbd://127.0.0.1:", 0), 0u) << uri_of(local);
+
+  NbdHandle h = nbd_open(uri_of(local));
+  ASSERT_TRUE(h) << nbd_get_error();
+  const std::string data = pattern('\x3c', 4096);
+  ASSERT_EQ(nbd_pwrite(h.get(), data.data(), data.size(), 0, LIBNBD_CMD_FLAG_FUA), 0);
+  EXPECT_EQ(nbd_read(h.get(), 0, 4096), data);
+
+  // From 127.0.0.1 the attachment bound to 127.0.0.2 is refused...
+  EXPECT_FALSE(nbd_open(uri_of(other)));
+  EXPECT_EQ(connections(other["id"]), 0u);
+  // ...and reached from 127.0.0.2, which also may not use the other one.
+  NbdHandle from_other = nbd_open_tcp_from(uri_of(other), "127.0.0.2");
+  ASSERT_TRUE(from_other) << nbd_get_error();
+  EXPECT_EQ(nbd_read(from_other.get(), 0, 4096), data);
+  EXPECT_FALSE(nbd_open_tcp_from(uri_of(local), "127.0.0.2"));
+}
+
+// The connector's address is compared as an address, not as text: the IPv4-mapped form of
+// 127.0.0.1 is 127.0.0.1.
+TEST_F(ControlE2eTest, TcpConnectorIpIsComparedAsAnAddress) {
+  const std::string vol = create_volume("mapped", kMiB, true)["id"];
+  Json mapped = attach(vol, "mapped", "rw", "tcp", "::ffff:127.0.0.1");
+  NbdHandle h = nbd_open(uri_of(mapped));
+  EXPECT_TRUE(h) << nbd_get_error();
+  Json other = attach(vol, "other", "rw", "tcp", "::ffff:127.0.0.2");
+  EXPECT_FALSE(nbd_open(uri_of(other)));
+}
+
+// --- Restart ---
+
+TEST_F(ControlE2eTest, KillNineAndRestartKeepsEverything) {
+  const std::string shared = create_volume("shared", 2 * kMiB, true)["id"];
+  const std::string single = create_volume("single", kMiB, false)["id"];
+  const std::string spare = create_volume("spare", kMiB, false)["id"];
+  Json rw = attach(shared, "writer", "rw");
+  Json ro_attaching =
+      ok("attachment_create", {{"volume_id", shared},
+                               {"instance_uuid", "reader"},
+                               {"mode", "ro"},
+                               {"connector", {{"host", "h"}, {"transport", "unix"}}}});
+  Json reserved = ok("attachment_create", {{"volume_id", single}, {"instance_uuid", "later"}});
+  Json gone = attach(spare, "gone", "rw");
+  ok("attachment_delete", {{"attachment_id", gone["id"]}});
+  const Json volumes = ok("volume_list", Json::object());
+  const Json attachments = ok("attachment_list", Json::object());
+
+  const std::string data = pattern('\x9e', k64K);
+  {
+    NbdHandle writer = nbd_open(uri_of(rw));
+    ASSERT_TRUE(writer) << nbd_get_error();
+    ASSERT_EQ(nbd_pwrite(writer.get(), data.data(), data.size(), kMiB, LIBNBD_CMD_FLAG_FUA), 0);
+    // Killed with the client still connected.
+    EXPECT_EQ(daemon_->stop(SIGKILL), 128 + SIGKILL);
+    start();
+  }
+
+  EXPECT_EQ(ok("volume_list", Json::object()), volumes);
+  EXPECT_EQ(ok("attachment_list", Json::object()), attachments);
+  Json rw_after = ok("attachment_show", {{"attachment_id", rw["id"]}});
+  EXPECT_EQ(rw_after["attach_status"], "attached");
+  EXPECT_EQ(export_of(rw_after), export_of(rw));
+  EXPECT_EQ(uri_of(rw_after), uri_of(rw));
+
+  // The exports serve again at the same names, with the same data.
+  NbdHandle writer = nbd_open(uri_of(rw));
+  ASSERT_TRUE(writer) << nbd_get_error();
+  EXPECT_EQ(nbd_read(writer.get(), kMiB, k64K), data);
+  NbdHandle reader = nbd_open(uri_of(ro_attaching));
+  ASSERT_TRUE(reader) << nbd_get_error();
+  EXPECT_EQ(nbd_is_read_only(reader.get()), 1);
+  EXPECT_EQ(nbd_read(reader.get(), kMiB, k64K), data);
+  // The detached one stays dead, and the rules still hold.
+  int err = 0;
+  EXPECT_FALSE(nbd_open(uri_of(gone), &err));
+  EXPECT_EQ(err, ENOENT);
+  EXPECT_EQ(reason("attachment_create", {{"volume_id", single}, {"instance_uuid", "x"}}),
+            "not_multiattach");
+  EXPECT_EQ(reason("volume_delete", {{"volume_id", shared}}), "volume_in_use");
+  ok("attachment_complete", {{"attachment_id", ro_attaching["id"]}});
+  EXPECT_TRUE(wait_connections(rw["id"], 1));
+}
+
+// --- The daemon's configuration ---
+
+TEST_F(ControlE2eTest, ControlSocketIsGroupOnly) {
+  struct stat st {};
+  ASSERT_EQ(::stat(control_socket().c_str(), &st), 0);
+  EXPECT_TRUE(S_ISSOCK(st.st_mode));
+  EXPECT_EQ(st.st_mode & 0777, 0660u);
+  EXPECT_TRUE(fs::exists(dir_ / "shareblk.db"));
+  EXPECT_TRUE(fs::is_directory(dir_ / "volumes"));
+}
+
+TEST_F(ControlE2eTest, PolicyOptionsAreEnforced) {
+  const std::string shared = create_volume("shared", kMiB, true)["id"];
+  const std::string boot =
+      ok("volume_create",
+         {{"name", "boot"}, {"size", kMiB}, {"multiattach", true}, {"bootable", true}})["id"];
+  start({"--allow_multiattach_bootable", "false"});
+  attach(boot, "first", "rw");
+  EXPECT_EQ(reason("attachment_create", {{"volume_id", boot}, {"instance_uuid", "second"}}),
+            "policy_denied");
+  attach(shared, "first", "rw");
+  attach(shared, "second", "ro");
+
+  start({"--allow_multiattach", "false"});
+  EXPECT_EQ(reason("volume_create", {{"name", "v"}, {"size", kMiB}, {"multiattach", true}}),
+            "policy_denied");
+  EXPECT_EQ(reason("attachment_create", {{"volume_id", shared}, {"instance_uuid", "third"}}),
+            "policy_denied");
+  create_volume("plain", kMiB, false);
+}
+
+TEST_F(ControlE2eTest, StopsCleanlyWithClientsConnected) {
+  const std::string vol = create_volume("busy", kMiB, true)["id"];
+  Json rw = attach(vol, "writer", "rw");
+  Json ro = attach(vol, "reader", "ro", "tcp");
+  NbdHandle writer = nbd_open(uri_of(rw));
+  NbdHandle reader = nbd_open(uri_of(ro));
+  ASSERT_TRUE(writer && reader) << nbd_get_error();
+  RpcConnection idle(control_socket());
+  EXPECT_EQ(daemon_->stop(SIGTERM), 0) << daemon_->log();
+  EXPECT_EQ(daemon_->log().find("Sanitizer"), std::string::npos) << daemon_->log();
+  daemon_.reset();
+  std::string buf(512, '\0');
+  EXPECT_EQ(nbd_pread(writer.get(), buf.data(), buf.size(), 0, 0), -1);
+}
+
+// --- Concurrency ---
+
+TEST_F(ControlE2eTest, ConcurrentCreatesYieldExactlyOneAttachment) {
+  const std::string vol = create_volume("contended", kMiB, false)["id"];
+  constexpr int kCallers = 50;
+  std::vector<Json> replies(kCallers);
+  std::latch ready(kCallers);
+  std::vector<std::thread> threads;
+  for (int i = 0; i < kCallers; ++i) {
+    threads.emplace_back([&, i] {
+      RpcConnection connection(control_socket());
+      ready.arrive_and_wait();  // every caller connected, then all at once
+      replies[i] =
+          connection.call("attachment_create",
+                          {{"volume_id", vol}, {"instance_uuid", "instance-" + std::to_string(i)}});
+    });
+  }
+  for (auto& t : threads) t.join();
+  int created = 0;
+  int not_multiattach = 0;
+  for (const Json& reply : replies) {
+    if (reply.contains("result")) ++created;
+    if (reason_of(reply) == "not_multiattach") ++not_multiattach;
+  }
+  EXPECT_EQ(created, 1);
+  EXPECT_EQ(not_multiattach, kCallers - 1);
+  EXPECT_EQ(ok("attachment_list", {{"volume_id", vol}}).size(), 1u);
+  EXPECT_EQ(ok("volume_show", {{"volume_id", vol}})["status"], "reserved");
+}
+
+// --- JSON-RPC on the socket ---
+
+TEST_F(ControlE2eTest, MalformedRequestsLeaveTheConnectionUsable) {
+  RpcConnection c(control_socket());
+  auto expect_parse_error = [&](const std::string& what) {
+    Json reply = c.read_reply();
+    ASSERT_TRUE(reply.is_object()) << what;
+    EXPECT_EQ(reply["error"]["code"], -32700) << what << ": " << reply;
+    EXPECT_EQ(reply["id"], nullptr) << what;
+  };
+
+  ASSERT_TRUE(c.send_raw("garbage\n"));
+  expect_parse_error("garbage");
+  EXPECT_TRUE(c.call("volume_list", Json::object()).contains("result"));
+
+  ASSERT_TRUE(
+      c.send_raw("{\"jsonrpc\":\"2.0\",\"id\":1,\"method\":\"volume_create\",\"params\":"
+                 "{\"name\":\"\xc3\x28\",\"size\":\"1M\"}}\n"));
+  expect_parse_error("invalid UTF-8");
+  ASSERT_TRUE(c.send_raw("\xff\xfe\xfd\n"));
+  expect_parse_error("bytes that are no text");
+  // Valid JSON that is no valid request.
+  ASSERT_TRUE(c.send_raw(R"({"jsonrpc":2.0,"id":5,"method":"volume_list"})"
+                         "\n"));
+  Json invalid = c.read_reply();
+  EXPECT_EQ(invalid["error"]["code"], -32600) << invalid;
+  EXPECT_EQ(c.call("volume_list", Json::object())["result"], Json::array());
+
+  // Over-long lines: one error each, and nothing else.
+  for (size_t size : {size_t{2} << 20, size_t{5} << 20}) {
+    const std::string line =
+        R"({"jsonrpc":"2.0","id":77,"method":"volume_list","params":{"pad":")" +
+        std::string(size, 'x') + "\"}}\n";
+    ASSERT_TRUE(c.send_raw(line));
+    expect_parse_error(std::to_string(size) + "-byte line");
+    Json reply = c.call("volume_list", Json::object());
+    EXPECT_TRUE(reply.contains("result")) << reply;
+  }
+
+  // A batch gets an array of answers.
+  ASSERT_TRUE(c.send_raw(
+      R"([{"jsonrpc":"2.0","id":"a","method":"volume_list"},)"
+      R"({"jsonrpc":"2.0","id":"b","method":"volume_create","params":{"name":"v","size":0}},)"
+      R"({"jsonrpc":"2.0","method":"volume_list"}])"
+      "\n"));
+  Json batch = c.read_reply();
+  ASSERT_TRUE(batch.is_array()) << batch;
+  ASSERT_EQ(batch.size(), 2u) << batch;
+  EXPECT_EQ(batch[0]["id"], "a");
+  EXPECT_TRUE(batch[0].contains("result"));
+  EXPECT_EQ(batch[1]["id"], "b");
+  EXPECT_EQ(reason_of(batch[1]), "invalid_params");
+
+  // Blank lines and notifications get no reply; requests split over writes and several in
+  // one write are answered in order.
+  ASSERT_TRUE(c.send_raw("\n  \n{\"jsonrpc\":\"2.0\",\"method\":\"volume_list\"}\n"));
+  ASSERT_TRUE(c.send_raw(R"({"jsonrpc":"2.0","id":101,)"));
+  std::this_thread::sleep_for(milliseconds(20));
+  ASSERT_TRUE(c.send_raw(R"("method":"volume_list"})"
+                         "\n"
+                         R"({"jsonrpc":"2.0","id":102,"method":"no_such_method"})"
+                         "\n"));
+  Json first = c.read_reply();
+  Json second = c.read_reply();
+  EXPECT_EQ(first["id"], 101) << first;
+  EXPECT_TRUE(first.contains("result")) << first;
+  EXPECT_EQ(second["id"], 102) << second;
+  EXPECT_EQ(second["error"]["code"], -32601) << second;
+  // Nothing else is pending.
+  EXPECT_FALSE(c.read_line(milliseconds(200)).has_value());
+}
+
+// --- The CLI ---
+
+class ControlCliTest : public ControlE2eTest {
+ protected:
+  st::RunResult cli(std::vector<std::string> args, const std::string& socket = "") {
+    std::vector<std::string> argv{SHAREBLK_CLI_PATH, "--socket",
+                                  socket.empty() ? control_socket() : socket};
+    argv.insert(argv.end(), args.begin(), args.end());
+    return st::run(argv, seconds(30));
+  }
+};
+
+TEST_F(ControlCliTest, CommandsTablesAndJson) {
+  st::RunResult created = cli({"volume-create", "cli-vol", "2M", "--multiattach"});
+  ASSERT_EQ(created.status, 0) << created.output;
+  EXPECT_NE(created.output.find("cli-vol"), std::string::npos) << created.output;
+
+  st::RunResult listed = cli({"--json", "volume-list"});
+  ASSERT_EQ(listed.status, 0) << listed.output;
+  Json volumes = Json::parse(listed.output, nullptr, false);
+  ASSERT_TRUE(volumes.is_array()) << listed.output;
+  ASSERT_EQ(volumes.size(), 1u);
+  EXPECT_EQ(volumes[0]["name"], "cli-vol");
+  EXPECT_EQ(volumes[0]["size"], 2 * kMiB);
+  EXPECT_EQ(volumes[0]["multiattach"], true);
+  const std::string vol = volumes[0]["id"];
+
+  st::RunResult table = cli({"volume-list"});
+  ASSERT_EQ(table.status, 0) << table.output;
+  EXPECT_NE(table.output.find(vol), std::string::npos) << table.output;
+  EXPECT_NE(table.output.find("available"), std::string::npos) << table.output;
+
+  // An attachment through the CLI, used by a real client.
+  st::RunResult attached = cli({"--json", "attachment-create", vol, "instance-1", "--mode", "ro",
+                                "--connector-host", "h1", "--transport", "unix"});
+  ASSERT_EQ(attached.status, 0) << attached.output;
+  Json a = Json::parse(attached.output, nullptr, false);
+  ASSERT_TRUE(a.is_object()) << attached.output;
+  EXPECT_EQ(a["mode"], "ro");
+  EXPECT_EQ(a["attach_status"], "attaching");
+  NbdHandle h = nbd_open(uri_of(a));
+  ASSERT_TRUE(h) << nbd_get_error();
+  EXPECT_EQ(nbd_is_read_only(h.get()), 1);
+
+  st::RunResult raw =
+      cli({"--json", "call", "attachment_show", Json{{"attachment_id", a["id"]}}.dump()});
+  ASSERT_EQ(raw.status, 0) << raw.output;
+  EXPECT_EQ(Json::parse(raw.output, nullptr, false)["id"], a["id"]) << raw.output;
+
+  st::RunResult shown = cli({"attachment-show", a["id"]});
+  ASSERT_EQ(shown.status, 0) << shown.output;
+  EXPECT_NE(shown.output.find(uri_of(a)), std::string::npos) << shown.output;
+  EXPECT_EQ(cli({"attachment-complete", a["id"]}).status, 0);
+  st::RunResult in_use = cli({"volume-update", vol, "--multiattach", "false"});
+  EXPECT_EQ(in_use.status, 1) << in_use.output;
+  EXPECT_NE(in_use.output.find("volume_in_use"), std::string::npos) << in_use.output;
+  st::RunResult detached = cli({"--json", "volume-detach", vol});
+  ASSERT_EQ(detached.status, 0) << detached.output;
+  EXPECT_EQ(Json::parse(detached.output, nullptr, false)["attach_status"], "detached")
+      << detached.output;
+  std::string buf(512, '\0');
+  EXPECT_EQ(nbd_pread(h.get(), buf.data(), buf.size(), 0, 0), -1);
+  EXPECT_EQ(cli({"volume-update", vol, "--multiattach", "false", "--name", "renamed"}).status, 0);
+  EXPECT_EQ(ok("volume_show", {{"volume_id", vol}})["name"], "renamed");
+}
+
+TEST_F(ControlCliTest, ExitStatusTellsWhatWentWrong) {
+  const std::string vol = create_volume("v", kMiB, false)["id"];
+  ok("attachment_create", {{"volume_id", vol}, {"instance_uuid", "i"}});
+
+  // Refused by the daemon: 1, with the reason.
+  st::RunResult in_use = cli({"volume-delete", vol});
+  EXPECT_EQ(in_use.status, 1) << in_use.output;
+  EXPECT_NE(in_use.output.find("volume_in_use"), std::string::npos) << in_use.output;
+  st::RunResult bad_size = cli({"volume-create", "x", "1000"});
+  EXPECT_EQ(bad_size.status, 1) << bad_size.output;
+  EXPECT_NE(bad_size.output.find("invalid_params"), std::string::npos) << bad_size.output;
+  st::RunResult missing = cli({"volume-show", "00000000-0000-4000-8000-000000000000"});
+  EXPECT_EQ(missing.status, 1) << missing.output;
+  EXPECT_NE(missing.output.find("not_found"), std::string::npos) << missing.output;
+  EXPECT_EQ(ok("volume_list", Json::object()).size(), 1u);
+
+  // Bad usage: 2, without a call.
+  EXPECT_EQ(cli({"volume-frobnicate"}).status, 2);
+  EXPECT_EQ(cli({"volume-show"}).status, 2);
+  EXPECT_EQ(cli({}).status, 2);
+
+  // No daemon: 3.
+  st::RunResult unreachable = cli({"volume-list"}, dir_ / "nobody-listens.sock");
+  EXPECT_EQ(unreachable.status, 3) << unreachable.output;
+}
+
+}  // namespace
