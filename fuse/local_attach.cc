@@ -1,0 +1,329 @@
+// A one-file FUSE file system over libfuse3's low-level API.
+#define FUSE_USE_VERSION 35
+#include "fuse/local_attach.h"
+
+#include <fcntl.h>
+#include <fuse3/fuse_lowlevel.h>
+#include <linux/falloc.h>
+#include <spdlog/spdlog.h>
+#include <sys/mount.h>
+#include <sys/stat.h>
+#include <sys/sysmacros.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <sstream>
+#include <thread>
+
+namespace shareblk::fuse {
+
+namespace {
+
+constexpr fuse_ino_t kDisk = 2;
+constexpr char kDiskName[] = "disk";
+constexpr size_t kMaxIo = 1 << 20;
+
+// The mountpoints in /proc/self/mountinfo whose file system type is ours.
+bool is_our_mount(const std::string& mountpoint) {
+  std::ifstream in("/proc/self/mountinfo");
+  std::string line;
+  while (std::getline(in, line)) {
+    std::istringstream fields(line);
+    std::string id, parent, dev, root, point;
+    fields >> id >> parent >> dev >> root >> point;
+    if (point == mountpoint && line.find(" - fuse.shareblk ") != std::string::npos) return true;
+  }
+  return false;
+}
+
+// Aborting the connection fails every request still to come, even through a lazily detached
+// mount a loop device keeps alive: after detach, no byte moves. The control files live in
+// fusectl, which containers often leave unmounted.
+bool abort_connection(dev_t dev) {
+  const std::string dir = "/sys/fs/fuse/connections";
+  const std::string file = dir + "/" + std::to_string(minor(dev)) + "/abort";
+  if (::access(file.c_str(), W_OK) != 0) {
+    ::mount("fusectl", dir.c_str(), "fusectl", 0, nullptr);
+  }
+  std::ofstream abort(file);
+  abort << "1";
+  abort.flush();
+  if (!abort) {
+    spdlog::error("fuse: cannot abort the connection behind a detached mount ({})", file);
+    return false;
+  }
+  return true;
+}
+
+}  // namespace
+
+struct LocalAttach::Session {
+  backend::Handle handle;
+  fuse_session* se = nullptr;
+  std::thread loop;
+  dev_t dev = 0;
+
+  static Session& of(fuse_req_t req) { return *static_cast<Session*>(fuse_req_userdata(req)); }
+
+  struct stat attributes(fuse_ino_t ino) const {
+    struct stat st {};
+    st.st_ino = ino;
+    st.st_uid = ::getuid();
+    st.st_gid = ::getgid();
+    if (ino == kDisk) {
+      st.st_mode = S_IFREG | (handle.read_only() ? 0444 : 0644);
+      st.st_nlink = 1;
+      st.st_size = static_cast<off_t>(handle.volume()->size());
+      st.st_blksize = 4096;
+      st.st_blocks = st.st_size / 512;
+    } else {
+      st.st_mode = S_IFDIR | 0755;
+      st.st_nlink = 2;
+    }
+    return st;
+  }
+};
+
+namespace {
+
+using Session = LocalAttach::Session;
+
+void op_lookup(fuse_req_t req, fuse_ino_t parent, const char* name) {
+  if (parent != FUSE_ROOT_ID || std::strcmp(name, kDiskName) != 0) {
+    fuse_reply_err(req, ENOENT);
+    return;
+  }
+  fuse_entry_param e{};
+  e.ino = kDisk;
+  e.attr = Session::of(req).attributes(kDisk);
+  fuse_reply_entry(req, &e);  // timeouts 0: the size may grow (volume_extend)
+}
+
+void op_getattr(fuse_req_t req, fuse_ino_t ino, fuse_file_info* /*fi*/) {
+  struct stat st = Session::of(req).attributes(ino);
+  fuse_reply_attr(req, &st, 0);
+}
+
+void op_setattr(fuse_req_t req, fuse_ino_t ino, struct stat* attr, int to_set,
+                fuse_file_info* /*fi*/) {
+  Session& s = Session::of(req);
+  const int times = FUSE_SET_ATTR_ATIME | FUSE_SET_ATTR_MTIME | FUSE_SET_ATTR_ATIME_NOW |
+                    FUSE_SET_ATTR_MTIME_NOW | FUSE_SET_ATTR_CTIME;
+  if (to_set & FUSE_SET_ATTR_SIZE) {
+    // A volume's size changes only through volume_extend; truncating to its own size is
+    // harmless (O_TRUNC is refused in open for read-only attachments).
+    if (s.handle.read_only()) {
+      fuse_reply_err(req, EROFS);
+      return;
+    }
+    if (static_cast<uint64_t>(attr->st_size) != s.handle.volume()->size()) {
+      fuse_reply_err(req, EPERM);
+      return;
+    }
+  } else if (to_set & ~times) {
+    fuse_reply_err(req, EPERM);
+    return;
+  }
+  struct stat st = s.attributes(ino);
+  fuse_reply_attr(req, &st, 0);
+}
+
+void op_readdir(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off, fuse_file_info* /*fi*/) {
+  if (ino != FUSE_ROOT_ID) {
+    fuse_reply_err(req, ENOTDIR);
+    return;
+  }
+  Session& s = Session::of(req);
+  char buf[512];
+  size_t used = 0;
+  const char* names[] = {".", "..", kDiskName};
+  for (off_t i = off; i < 3; ++i) {
+    struct stat st = s.attributes(i == 2 ? kDisk : FUSE_ROOT_ID);
+    size_t n =
+        fuse_add_direntry(req, buf + used, std::min(size, sizeof buf) - used, names[i], &st, i + 1);
+    if (n > std::min(size, sizeof buf) - used) break;
+    used += n;
+  }
+  fuse_reply_buf(req, buf, used);
+}
+
+void op_open(fuse_req_t req, fuse_ino_t ino, fuse_file_info* fi) {
+  if (ino != kDisk) {
+    fuse_reply_err(req, EISDIR);
+    return;
+  }
+  Session& s = Session::of(req);
+  if (s.handle.read_only() && ((fi->flags & O_ACCMODE) != O_RDONLY || (fi->flags & O_TRUNC))) {
+    fuse_reply_err(req, EROFS);
+    return;
+  }
+  // No page cache for the file: another attachment of a shared volume may change the bytes,
+  // so every read must come here (the hypervisor rule for shareable disks).
+  fi->direct_io = 1;
+  fi->keep_cache = 0;
+  fuse_reply_open(req, fi);
+}
+
+void op_read(fuse_req_t req, fuse_ino_t /*ino*/, size_t size, off_t off, fuse_file_info* /*fi*/) {
+  Session& s = Session::of(req);
+  const uint64_t volume_size = s.handle.volume()->size();
+  if (off < 0 || static_cast<uint64_t>(off) >= volume_size) {
+    fuse_reply_buf(req, nullptr, 0);  // end of file
+    return;
+  }
+  const size_t n = static_cast<size_t>(
+      std::min<uint64_t>({size, volume_size - static_cast<uint64_t>(off), kMaxIo}));
+  // Aligned, so that aligned reads can take the O_DIRECT path.
+  thread_local std::unique_ptr<char, decltype(&std::free)> buffer(
+      static_cast<char*>(std::aligned_alloc(4096, kMaxIo)), &std::free);
+  if (int err = s.handle.read(buffer.get(), n, static_cast<uint64_t>(off))) {
+    fuse_reply_err(req, err);
+    return;
+  }
+  fuse_reply_buf(req, buffer.get(), n);
+}
+
+void op_write(fuse_req_t req, fuse_ino_t /*ino*/, const char* buf, size_t size, off_t off,
+              fuse_file_info* fi) {
+  Session& s = Session::of(req);
+  const uint32_t flags = (fi->flags & (O_DSYNC | O_SYNC)) ? uint32_t{backend::kFua} : 0u;
+  if (int err = s.handle.write(buf, size, static_cast<uint64_t>(off), flags)) {
+    fuse_reply_err(req, err);
+    return;
+  }
+  fuse_reply_write(req, size);
+}
+
+void op_fsync(fuse_req_t req, fuse_ino_t /*ino*/, int /*datasync*/, fuse_file_info* /*fi*/) {
+  fuse_reply_err(req, Session::of(req).handle.flush());
+}
+
+void op_flush(fuse_req_t req, fuse_ino_t /*ino*/, fuse_file_info* /*fi*/) {
+  fuse_reply_err(req, 0);  // close(2) is not a durability point; fsync is
+}
+
+void op_release(fuse_req_t req, fuse_ino_t /*ino*/, fuse_file_info* /*fi*/) {
+  fuse_reply_err(req, 0);
+}
+
+void op_fallocate(fuse_req_t req, fuse_ino_t /*ino*/, int mode, off_t offset, off_t length,
+                  fuse_file_info* /*fi*/) {
+  const backend::Handle& h = Session::of(req).handle;
+  const auto off = static_cast<uint64_t>(offset);
+  const auto len = static_cast<uint64_t>(length);
+  int err;
+  if (mode == (FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE)) {
+    // A punched range must read back as zeroes, which a bare discard does not promise on
+    // every device: write-zeroes punches where it can and writes zeroes where it cannot.
+    err = h.write_zeroes(len, off, 0);
+  } else if (mode == FALLOC_FL_ZERO_RANGE || mode == (FALLOC_FL_ZERO_RANGE | FALLOC_FL_KEEP_SIZE)) {
+    err = h.write_zeroes(len, off, backend::kNoHole);
+  } else if (mode == 0 || mode == FALLOC_FL_KEEP_SIZE) {
+    err = h.admit(backend::Op::Write, off, len);  // every byte of a volume is already there
+  } else {
+    err = EOPNOTSUPP;
+  }
+  fuse_reply_err(req, err);
+}
+
+void op_statfs(fuse_req_t req, fuse_ino_t /*ino*/) {
+  struct statvfs st {};
+  st.f_bsize = 4096;
+  st.f_frsize = 4096;
+  st.f_blocks = Session::of(req).handle.volume()->size() / 4096;
+  st.f_files = 1;
+  st.f_namemax = 255;
+  fuse_reply_statfs(req, &st);
+}
+
+fuse_lowlevel_ops make_ops() {
+  fuse_lowlevel_ops ops{};
+  ops.lookup = op_lookup;
+  ops.getattr = op_getattr;
+  ops.setattr = op_setattr;
+  ops.readdir = op_readdir;
+  ops.open = op_open;
+  ops.read = op_read;
+  ops.write = op_write;
+  ops.fsync = op_fsync;
+  ops.flush = op_flush;
+  ops.release = op_release;
+  ops.fallocate = op_fallocate;
+  ops.statfs = op_statfs;
+  return ops;
+}
+
+}  // namespace
+
+bool clear_stale_mount(const std::string& mountpoint) {
+  if (!is_our_mount(mountpoint)) return false;
+  if (::umount2(mountpoint.c_str(), MNT_DETACH) != 0) {
+    spdlog::warn("fuse: cannot detach the stale mount at {}: {}", mountpoint, std::strerror(errno));
+    return false;
+  }
+  spdlog::info("fuse: detached a stale mount at {}", mountpoint);
+  return true;
+}
+
+std::unique_ptr<LocalAttach> LocalAttach::mount(const std::string& mountpoint,
+                                                backend::Handle handle, std::string& error) {
+  clear_stale_mount(mountpoint);
+  struct stat st {};
+  if (::stat(mountpoint.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) {
+    error = "mountpoint " + mountpoint + " is not a directory";
+    return nullptr;
+  }
+  std::unique_ptr<LocalAttach> attach(new LocalAttach());
+  attach->mountpoint_ = mountpoint;
+  attach->session_ = std::make_unique<Session>();
+  Session& s = *attach->session_;
+  s.handle = std::move(handle);
+
+  const char* argv[] = {"shareblkd", "-o", "fsname=shareblk,subtype=shareblk,allow_other"};
+  fuse_args args = FUSE_ARGS_INIT(3, const_cast<char**>(argv));
+  static const fuse_lowlevel_ops ops = make_ops();
+  s.se = fuse_session_new(&args, &ops, sizeof ops, &s);
+  if (s.se == nullptr) {
+    error = "fuse_session_new failed";
+    return nullptr;
+  }
+  if (fuse_session_mount(s.se, mountpoint.c_str()) != 0) {
+    fuse_session_destroy(s.se);
+    s.se = nullptr;
+    error = "cannot mount FUSE at " + mountpoint + " (is /dev/fuse there?)";
+    return nullptr;
+  }
+  s.loop = std::thread([&s] {
+    fuse_loop_config* config = fuse_loop_cfg_create();
+    fuse_loop_cfg_set_max_threads(config, 8);
+    fuse_session_loop_mt(s.se, config);
+    fuse_loop_cfg_destroy(config);
+  });
+  // Only now: stat on the mount is a FUSE request, which the loop above must answer.
+  if (::stat(mountpoint.c_str(), &st) == 0) s.dev = st.st_dev;
+  return attach;
+}
+
+bool LocalAttach::unmount() {
+  Session& s = *session_;
+  if (s.se == nullptr) return false;
+  bool lazy = false;
+  if (::umount2(mountpoint_.c_str(), 0) != 0) {
+    lazy = true;  // busy: a loop device or an open file still holds it
+    ::umount2(mountpoint_.c_str(), MNT_DETACH);
+  }
+  if (s.dev != 0) abort_connection(s.dev);
+  fuse_session_exit(s.se);
+  if (s.loop.joinable()) s.loop.join();
+  fuse_session_destroy(s.se);
+  s.se = nullptr;
+  return lazy;
+}
+
+LocalAttach::~LocalAttach() {
+  if (session_) unmount();
+}
+
+}  // namespace shareblk::fuse

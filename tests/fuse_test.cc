@@ -1,0 +1,195 @@
+// FUSE local attach on real FUSE mounts, loop devices and ext4 (root).
+#include <fcntl.h>
+#include <gtest/gtest.h>
+#include <linux/falloc.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <fstream>
+
+#include "backend/backend.h"
+#include "fuse/local_attach.h"
+#include "tests/support.h"
+
+namespace shareblk::testing {
+namespace {
+
+constexpr uint64_t kMiB = 1 << 20;
+
+bool fuse_available(std::string& why) {
+  if (!is_root()) {
+    why = "FUSE local attach tests need root (mount, losetup)";
+    return false;
+  }
+  if (::access("/dev/fuse", R_OK | W_OK) != 0) {
+    why = "FUSE local attach tests need /dev/fuse";
+    return false;
+  }
+  for (const char* tool : {"losetup", "mkfs.ext4", "mount", "umount"}) {
+    if (!have_program(tool)) {
+      why = std::string("FUSE local attach tests need ") + tool;
+      return false;
+    }
+  }
+  return true;
+}
+
+// A loop device on a file, detached at scope exit.
+struct Loop {
+  Loop(const std::string& file, bool read_only) {
+    std::vector<std::string> argv{"losetup", "--find", "--show"};
+    if (read_only) argv.push_back("-r");
+    argv.push_back(file);
+    RunResult r = run(argv);
+    if (r.status == 0) device = r.output.substr(0, r.output.find('\n'));
+    output = r.output;
+  }
+  ~Loop() {
+    if (!device.empty()) run({"losetup", "-d", device});
+  }
+  std::string device;
+  std::string output;
+};
+
+class FuseAttach : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    std::string why;
+    SHAREBLK_REQUIRE(fuse_available(why), why);
+    make_file(dir_ / "volume.img", 64 * kMiB);
+    std::error_code ec;
+    volume_ = backend::Volume::open(dir_ / "volume.img", ec);
+    ASSERT_TRUE(volume_) << ec.message();
+    for (const char* d : {"rw", "ro", "fs-rw", "fs-ro"}) {
+      ASSERT_EQ(::mkdir((dir_ / d).c_str(), 0755), 0);
+    }
+  }
+
+  std::unique_ptr<fuse::LocalAttach> attach(const std::string& where, backend::AttachMode mode) {
+    std::string error;
+    auto a = fuse::LocalAttach::mount(dir_ / where, backend::Handle(volume_, mode), error);
+    EXPECT_TRUE(a) << error;
+    return a;
+  }
+
+  TempDir dir_;
+  std::shared_ptr<backend::Volume> volume_;
+};
+
+TEST_F(FuseAttach, DiskFileHasTheVolumesSizeAndModes) {
+  auto rw = attach("rw", backend::AttachMode::ReadWrite);
+  auto ro = attach("ro", backend::AttachMode::ReadOnly);
+  ASSERT_TRUE(rw && ro);
+  struct stat st {};
+  ASSERT_EQ(::stat(rw->device_path().c_str(), &st), 0);
+  EXPECT_EQ(static_cast<uint64_t>(st.st_size), 64 * kMiB);
+  EXPECT_EQ(st.st_mode & 0777, 0644u);
+  ASSERT_EQ(::stat(ro->device_path().c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 0777, 0444u);
+}
+
+TEST_F(FuseAttach, Ext4OnALoopDeviceAndAReadOnlySecondAttachment) {
+  auto rw = attach("rw", backend::AttachMode::ReadWrite);
+  ASSERT_TRUE(rw);
+  {
+    Loop loop(rw->device_path(), false);
+    ASSERT_FALSE(loop.device.empty()) << loop.output;
+    RunResult mkfs = run({"mkfs.ext4", "-q", "-F", loop.device});
+    ASSERT_EQ(mkfs.status, 0) << mkfs.output;
+    RunResult m = run({"mount", loop.device, dir_ / "fs-rw"});
+    ASSERT_EQ(m.status, 0) << m.output;
+    {
+      std::ofstream out(dir_ / "fs-rw/hello.txt");
+      out << "written through FUSE, a loop device and ext4\n";
+    }
+    RunResult sync = run({"sync", "-f", dir_ / "fs-rw/hello.txt"});
+    EXPECT_EQ(sync.status, 0) << sync.output;
+    RunResult u = run({"umount", dir_ / "fs-rw"});  // the writer's flush: everything on disk
+    ASSERT_EQ(u.status, 0) << u.output;
+  }
+
+  // A read-only attachment of the same volume on another mountpoint sees the file system.
+  auto ro = attach("ro", backend::AttachMode::ReadOnly);
+  ASSERT_TRUE(ro);
+  Loop loop(ro->device_path(), true);
+  ASSERT_FALSE(loop.device.empty()) << loop.output;
+  RunResult m = run({"mount", "-o", "ro,noload", loop.device, dir_ / "fs-ro"});
+  ASSERT_EQ(m.status, 0) << m.output;
+  std::string line;
+  {
+    std::ifstream in(dir_ / "fs-ro/hello.txt");
+    std::getline(in, line);
+  }
+  EXPECT_EQ(line, "written through FUSE, a loop device and ext4");
+  RunResult u = run({"umount", dir_ / "fs-ro"});
+  EXPECT_EQ(u.status, 0) << u.output;
+}
+
+TEST_F(FuseAttach, EveryWriteThroughAReadOnlyAttachmentIsRefused) {
+  auto ro = attach("ro", backend::AttachMode::ReadOnly);
+  ASSERT_TRUE(ro);
+  const std::string before = read_file(dir_ / "volume.img", 0, kMiB);
+  // Open for writing: refused (even for root, whom permission bits do not stop).
+  int fd = ::open(ro->device_path().c_str(), O_RDWR);
+  EXPECT_LT(fd, 0);
+  EXPECT_TRUE(errno == EROFS || errno == EPERM || errno == EACCES) << std::strerror(errno);
+  if (fd >= 0) ::close(fd);
+  EXPECT_NE(::truncate(ro->device_path().c_str(), 0), 0);
+  // A read-only descriptor can still ask for fallocate; the backend says no.
+  fd = ::open(ro->device_path().c_str(), O_RDONLY);
+  ASSERT_GE(fd, 0);
+  EXPECT_NE(::fallocate(fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, 0, 4096), 0);
+  ::close(fd);
+  // A loop device on it is read-only whatever losetup is asked.
+  Loop loop(ro->device_path(), false);
+  if (!loop.device.empty()) {
+    int dev = ::open(loop.device.c_str(), O_WRONLY);
+    if (dev >= 0) {
+      char block[4096] = {1};
+      EXPECT_LT(::pwrite(dev, block, sizeof block, 0), 0);
+      ::close(dev);
+    }
+  }
+  EXPECT_EQ(read_file(dir_ / "volume.img", 0, kMiB), before);
+}
+
+TEST_F(FuseAttach, FsyncFlushesAndPunchHoleReadsZeroes) {
+  auto rw = attach("rw", backend::AttachMode::ReadWrite);
+  ASSERT_TRUE(rw);
+  int fd = ::open(rw->device_path().c_str(), O_RDWR);
+  ASSERT_GE(fd, 0);
+  std::string data(8192, 'q');
+  ASSERT_EQ(::pwrite(fd, data.data(), data.size(), 4096), 8192);
+  EXPECT_EQ(::fsync(fd), 0);
+  EXPECT_EQ(read_file(dir_ / "volume.img", 4096, 8192), data);
+  ASSERT_EQ(::fallocate(fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, 4096, 4096), 0);
+  char back[4096];
+  ASSERT_EQ(::pread(fd, back, sizeof back, 4096), 4096);
+  EXPECT_EQ(std::string(back, sizeof back), std::string(4096, '\0'));
+  // Past the end is the end of the file, as for a block device.
+  EXPECT_EQ(::pread(fd, back, sizeof back, 64 * kMiB), 0);
+  ::close(fd);
+}
+
+TEST_F(FuseAttach, UnmountWhileALoopDeviceHoldsItDetachesLazilyAndStopsIo) {
+  auto rw = attach("rw", backend::AttachMode::ReadWrite);
+  ASSERT_TRUE(rw);
+  Loop loop(rw->device_path(), false);
+  ASSERT_FALSE(loop.device.empty()) << loop.output;
+  EXPECT_TRUE(rw->unmount()) << "a busy mount should be detached lazily";
+  const std::string before = read_file(dir_ / "volume.img", 0, 4096);
+  int dev = ::open(loop.device.c_str(), O_WRONLY | O_DIRECT);
+  if (dev >= 0) {
+    void* block = nullptr;
+    ASSERT_EQ(::posix_memalign(&block, 4096, 4096), 0);
+    std::memset(block, 7, 4096);
+    EXPECT_LT(::pwrite(dev, block, 4096, 0), 0) << "no byte may move after detach";
+    std::free(block);
+    ::close(dev);
+  }
+  EXPECT_EQ(read_file(dir_ / "volume.img", 0, 4096), before);
+}
+
+}  // namespace
+}  // namespace shareblk::testing
