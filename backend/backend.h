@@ -160,8 +160,7 @@ class Handle {
 
   // Allocation status of [offset, offset+length): extents in order, at most max_extents,
   // covering at least one byte. Uses SEEK_DATA/SEEK_HOLE; block devices are all data.
-  int extents(uint64_t offset, uint64_t length, size_t max_extents,
-              std::vector<Extent>& out) const;
+  int extents(uint64_t offset, uint64_t length, size_t max_extents, std::vector<Extent>& out) const;
 
   // Synchronous I/O for frontends that run on their own threads (FUSE, nbdkit).
   // Each admits first, like the asynchronous path. Returns errno.

@@ -75,7 +75,7 @@ void Ring::submit(const Handle& handle, IoRequest* request) {
     return;
   }
   if (request->length == 0 && request->op != Op::Flush) {  // nothing to move (fallocate and
-    request->done(0);                                       // fadvise read 0 as "to EOF")
+    request->done(0);                                      // fadvise read 0 as "to EOF")
     return;
   }
   request->ring_ = this;
@@ -119,8 +119,7 @@ void Ring::start(IoRequest* r) {
   } else if (r->op == Op::Read) {
     io_uring_prep_read(sqe, at.fd, data, length, at.offset);
   } else if (r->op == Op::Cache) {
-    io_uring_prep_fadvise(sqe, at.fd, at.offset, static_cast<off_t>(length),
-                          POSIX_FADV_WILLNEED);
+    io_uring_prep_fadvise(sqe, at.fd, at.offset, static_cast<off_t>(length), POSIX_FADV_WILLNEED);
   } else {  // Trim, WriteZeroes
     int mode = fallocate_mode(v, r->op, r->flags);
     if (mode & FALLOC_FL_PUNCH_HOLE) r->handle_->volume()->note_holes();
@@ -157,7 +156,7 @@ void IoRequest::complete(int res) {
   } else if (op == Op::Cache) {
     more = false;  // a hint: the first piece is enough
   } else if (stage_ == kZeroFill || op == Op::Read || op == Op::Write) {
-    if (res == 0) return done(EIO);  // end of file inside the volume: it shrank under us
+    if (res == 0) return done(EIO);           // end of file inside the volume: it shrank under us
     progress_ += static_cast<uint32_t>(res);  // a short transfer or a seam: go on from there
     more = progress_ < length;
   } else {  // Trim, WriteZeroes: fallocate does all of a piece or fails

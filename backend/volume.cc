@@ -137,7 +137,8 @@ int Volume::remap(const std::vector<MappedSegment>& segments) {
       const Segment& old = segments_[i];
       const uint64_t old_length = old.length.load(std::memory_order_relaxed);
       if (devices_[old.device].path != m.path || old.device_offset != m.offset ||
-          old.start != start || m.length < old_length || (i + 1 < count && m.length != old_length)) {
+          old.start != start || m.length < old_length ||
+          (i + 1 < count && m.length != old_length)) {
         return EINVAL;
       }
       if (m.length != old_length) segments_[i].length.store(m.length, std::memory_order_relaxed);
@@ -214,8 +215,8 @@ Volume::Location Volume::locate(uint64_t offset, uint64_t length, const void* bu
     device = &devices_[seg.device];
   }
   const uint64_t mask = direct_align_ - 1;
-  const bool aligned = buf != nullptr && direct_ &&
-                       ((at | length | reinterpret_cast<uintptr_t>(buf)) & mask) == 0;
+  const bool aligned =
+      buf != nullptr && direct_ && ((at | length | reinterpret_cast<uintptr_t>(buf)) & mask) == 0;
   return {aligned ? device->direct_fd : device->buffered_fd, at, length};
 }
 

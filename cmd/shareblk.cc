@@ -113,9 +113,8 @@ void print_object(const Json& object) {
   std::vector<std::vector<std::string>> rows;
   for (const auto& [key, value] : object.items()) {
     if (key == "attachments") continue;
-    std::string cell = key == "connection_info" && value.is_object()
-                           ? text(value["data"]["uri"])
-                           : text(value);
+    std::string cell =
+        key == "connection_info" && value.is_object() ? text(value["data"]["uri"]) : text(value);
     rows.push_back({key, cell});
   }
   print_table({"FIELD", "VALUE"}, rows);
@@ -188,20 +187,24 @@ const Command kCommands[] = {
                    {"bootable", vm["bootable"].as<bool>()}};
      },
      Command::View::Volume},
-    {"volume_list", "", [](const std::vector<std::string>& args) {
+    {"volume_list", "",
+     [](const std::vector<std::string>& args) {
        parse(args, {}, {});
        return Json::object();
      },
      Command::View::Volumes},
-    {"volume_show", "VOLUME_ID", [](const std::vector<std::string>& args) {
+    {"volume_show", "VOLUME_ID",
+     [](const std::vector<std::string>& args) {
        return Json{{"volume_id", get(parse(args, {}, {"volume_id"}), "volume_id")}};
      },
      Command::View::Volume},
-    {"volume_delete", "VOLUME_ID", [](const std::vector<std::string>& args) {
+    {"volume_delete", "VOLUME_ID",
+     [](const std::vector<std::string>& args) {
        return Json{{"volume_id", get(parse(args, {}, {"volume_id"}), "volume_id")}};
      },
      Command::View::Raw},
-    {"volume_extend", "VOLUME_ID SIZE", [](const std::vector<std::string>& args) {
+    {"volume_extend", "VOLUME_ID SIZE",
+     [](const std::vector<std::string>& args) {
        auto vm = parse(args, {}, {"volume_id", "size"});
        return Json{{"volume_id", get(vm, "volume_id")}, {"size", size_value(get(vm, "size"))}};
      },
@@ -244,15 +247,18 @@ const Command kCommands[] = {
        return Json{{"attachment_id", get(vm, "attachment_id")}, {"connector", c}};
      },
      Command::View::Attachment},
-    {"attachment_complete", "ATTACHMENT_ID", [](const std::vector<std::string>& args) {
+    {"attachment_complete", "ATTACHMENT_ID",
+     [](const std::vector<std::string>& args) {
        return Json{{"attachment_id", get(parse(args, {}, {"attachment_id"}), "attachment_id")}};
      },
      Command::View::Attachment},
-    {"attachment_delete", "ATTACHMENT_ID", [](const std::vector<std::string>& args) {
+    {"attachment_delete", "ATTACHMENT_ID",
+     [](const std::vector<std::string>& args) {
        return Json{{"attachment_id", get(parse(args, {}, {"attachment_id"}), "attachment_id")}};
      },
      Command::View::Attachment},
-    {"attachment_list", "[--volume-id V]", [](const std::vector<std::string>& args) {
+    {"attachment_list", "[--volume-id V]",
+     [](const std::vector<std::string>& args) {
        po::options_description d;
        d.add_options()("volume-id", po::value<std::string>());
        auto vm = parse(args, d, {});
@@ -261,11 +267,13 @@ const Command kCommands[] = {
        return p;
      },
      Command::View::Attachments},
-    {"attachment_show", "ATTACHMENT_ID", [](const std::vector<std::string>& args) {
+    {"attachment_show", "ATTACHMENT_ID",
+     [](const std::vector<std::string>& args) {
        return Json{{"attachment_id", get(parse(args, {}, {"attachment_id"}), "attachment_id")}};
      },
      Command::View::Attachment},
-    {"volume_detach", "VOLUME_ID [--attachment-id A]", [](const std::vector<std::string>& args) {
+    {"volume_detach", "VOLUME_ID [--attachment-id A]",
+     [](const std::vector<std::string>& args) {
        po::options_description d;
        d.add_options()("attachment-id", po::value<std::string>());
        auto vm = parse(args, d, {"volume_id"});

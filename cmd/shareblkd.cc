@@ -113,7 +113,8 @@ int main(int argc, char** argv) {
   spdlog::set_level(spdlog::level::from_str(vm["log-level"].as<std::string>()));
 
   target::ServerOptions options;
-  if (vm.count("listen-unix")) options.listen_unix = vm["listen-unix"].as<std::vector<std::string>>();
+  if (vm.count("listen-unix"))
+    options.listen_unix = vm["listen-unix"].as<std::vector<std::string>>();
   if (vm.count("listen-tcp")) options.listen_tcp = vm["listen-tcp"].as<std::vector<std::string>>();
   options.workers = vm["workers"].as<unsigned>();
   options.max_connections = vm["max-connections"].as<unsigned>();
@@ -179,8 +180,8 @@ int main(int argc, char** argv) {
     policy.allow_multiattach = vm["allow_multiattach"].as<bool>();
     policy.allow_multiattach_bootable = vm["allow_multiattach_bootable"].as<bool>();
     try {
-      plane = std::make_unique<control::ControlPlane>((state / "shareblk.db").string(), *store,
-                                                      policy);
+      plane =
+          std::make_unique<control::ControlPlane>((state / "shareblk.db").string(), *store, policy);
     } catch (const std::exception& e) {
       std::cerr << "shareblkd: " << e.what() << "\n";
       return 1;

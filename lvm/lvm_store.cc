@@ -101,9 +101,9 @@ class LvmVolumeStore final : public VolumeStore {
     }
     // Zero every extent first, so that no later volume on these extents sees this one's data.
     std::error_code ec;
-    std::shared_ptr<backend::Volume> volume =
-        block_device.empty() ? backend::Volume::open_mapped(segments, ec)
-                             : backend::Volume::open(block_device, ec);
+    std::shared_ptr<backend::Volume> volume = block_device.empty()
+                                                  ? backend::Volume::open_mapped(segments, ec)
+                                                  : backend::Volume::open(block_device, ec);
     if (!volume) return failure(ec.value(), "open " + lv(id) + " to zero it: " + ec.message());
     backend::Handle handle(volume, backend::AttachMode::ReadWrite);
     if (int err = handle.write_zeroes(volume->size(), 0, backend::kNoHole | backend::kFua)) {
@@ -129,9 +129,9 @@ class LvmVolumeStore final : public VolumeStore {
   }
 
   StoreError refresh(const std::string& id, uint64_t size, backend::Volume& volume) override {
-    if (!volume.is_mapped()) return StoreError{std::error_code(volume.refresh_size(),
-                                                               std::generic_category()),
-                                               "refresh " + lv(id)};
+    if (!volume.is_mapped())
+      return StoreError{std::error_code(volume.refresh_size(), std::generic_category()),
+                        "refresh " + lv(id)};
     std::lock_guard lock(mutex_);
     std::vector<backend::MappedSegment> segments;
     std::string block_device;
@@ -152,8 +152,8 @@ class LvmVolumeStore final : public VolumeStore {
         const std::string name = row.at("lv_name").get<std::string>();
         if (name.rfind("volume-", 0) != 0) continue;
         if (row.at("lv_tags").get<std::string>().find(kTag) == std::string::npos) {
-          spdlog::error("lvm: {}/{} looks like a shareblk volume but lacks the '{}' tag", vg_,
-                        name, kTag);
+          spdlog::error("lvm: {}/{} looks like a shareblk volume but lacks the '{}' tag", vg_, name,
+                        kTag);
           continue;
         }
         ids.push_back(name.substr(7));
@@ -177,10 +177,9 @@ class LvmVolumeStore final : public VolumeStore {
   // map by hand.
   StoreError layout(const std::string& id, uint64_t size,
                     std::vector<backend::MappedSegment>& segments, std::string& block_device) {
-    CommandResult r = lvm({"lvs", "--reportformat", "json", "--units", "b", "--nosuffix",
-                           "--segments", "-o",
-                           "lv_name,lv_tags,lv_size,segtype,seg_start,seg_size,seg_pe_ranges",
-                           vg_ + "/" + lv(id)});
+    CommandResult r = lvm(
+        {"lvs", "--reportformat", "json", "--units", "b", "--nosuffix", "--segments", "-o",
+         "lv_name,lv_tags,lv_size,segtype,seg_start,seg_size,seg_pe_ranges", vg_ + "/" + lv(id)});
     if (r.status != 0) return classify("lvs " + vg_ + "/" + lv(id), r);
     CommandResult p = lvm({"pvs", "--reportformat", "json", "--units", "b", "--nosuffix", "-o",
                            "pv_name,pe_start,vg_extent_size", "-S", "vg_name=" + vg_});

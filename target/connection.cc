@@ -63,7 +63,9 @@ uint16_t allowed_flags(uint16_t type, bool structured) {
 
 }  // namespace
 
-void Request::done(int err) { conn->finish_request(this, err); }
+void Request::done(int err) {
+  conn->finish_request(this, err);
+}
 
 Connection::Connection(Worker& worker, int fd, Session session)
     : worker_(worker),
@@ -75,9 +77,13 @@ Connection::Connection(Worker& worker, int fd, Session session)
   send_done_.conn = this;
 }
 
-Connection::~Connection() { ::close(fd_); }
+Connection::~Connection() {
+  ::close(fd_);
+}
 
-void Connection::start() { post_recv(); }
+void Connection::start() {
+  post_recv();
+}
 
 void Connection::drain() {
   reading_ = false;
@@ -106,8 +112,8 @@ void Connection::drop_replies() {
 void Connection::post_recv() {
   if (!reading_ || recv_pending_ || broken_) return;
   if (payload_for_ != nullptr) {  // the rest of a WRITE's payload goes straight to its buffer
-    worker_.ring().recv(fd_, payload_for_->buf + payload_got_,
-                        payload_for_->length - payload_got_, &recv_done_);
+    worker_.ring().recv(fd_, payload_for_->buf + payload_got_, payload_for_->length - payload_got_,
+                        &recv_done_);
     recv_pending_ = true;
     return;
   }
@@ -269,12 +275,11 @@ void Connection::dispatch(Request* r) {
       break;
     case kCmdBlockStatus: {
       // SEEK_DATA/SEEK_HOLE answer from file system metadata: no reason to leave the thread.
-      int err = r->length == 0 ? EINVAL
-                               : handle_.extents(r->offset, r->length,
-                                                 (r->nbd_flags & kCmdFlagReqOne)
-                                                     ? 1
-                                                     : Request::kMaxExtents,
-                                                 extents_);
+      int err = r->length == 0
+                    ? EINVAL
+                    : handle_.extents(r->offset, r->length,
+                                      (r->nbd_flags & kCmdFlagReqOne) ? 1 : Request::kMaxExtents,
+                                      extents_);
       finish_request(r, err);
       return;
     }
@@ -319,8 +324,8 @@ void Connection::encode_reply(Request* r, int err) {
         static_cast<uint16_t>(std::min<size_t>(text ? std::strlen(text) : 0, 200));
     const bool with_offset = r->type == kCmdRead;
     const uint32_t length = 4 + 2 + text_len + (with_offset ? 8 : 0);
-    encode_chunk_header(p, kReplyFlagDone, with_offset ? kReplyErrorOffset : kReplyError,
-                        r->cookie, length);
+    encode_chunk_header(p, kReplyFlagDone, with_offset ? kReplyErrorOffset : kReplyError, r->cookie,
+                        length);
     put32(p + kChunkHeaderSize, wire);
     put16(p + kChunkHeaderSize + 4, text_len);
     if (text_len) std::memcpy(p + kChunkHeaderSize + 6, text, text_len);

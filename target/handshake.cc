@@ -184,8 +184,7 @@ Negotiation::Next Negotiation::export_name(const std::vector<uint8_t>& data) {
   uint8_t reply_bytes[10 + kExportNameZeroes] = {};
   put64(reply_bytes, session_.exp.volume->size());
   put16(reply_bytes + 8, session_.transmission_flags);
-  out_.append(reinterpret_cast<const char*>(reply_bytes),
-              no_zeroes_ ? 10 : sizeof reply_bytes);
+  out_.append(reinterpret_cast<const char*>(reply_bytes), no_zeroes_ ? 10 : sizeof reply_bytes);
   return Next::Transmit;
 }
 

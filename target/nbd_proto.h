@@ -12,8 +12,8 @@
 namespace shareblk::nbd {
 
 // --- Handshake (proto.md "Newstyle negotiation") ---
-inline constexpr uint64_t kMagic = 0x4e42444d41474943;      // "NBDMAGIC"
-inline constexpr uint64_t kOptMagic = 0x49484156454f5054;   // "IHAVEOPT"
+inline constexpr uint64_t kMagic = 0x4e42444d41474943;     // "NBDMAGIC"
+inline constexpr uint64_t kOptMagic = 0x49484156454f5054;  // "IHAVEOPT"
 inline constexpr uint64_t kOptReplyMagic = 0x0003e889045565a9;
 
 // Handshake flags (server, 16 bits).
@@ -58,8 +58,8 @@ enum Rep : uint32_t {
 
 // NBD_OPT_INFO / NBD_OPT_GO information types.
 enum Info : uint16_t {
-  kInfoExport = 0,     // u64 size, u16 transmission flags
-  kInfoName = 1,       // string
+  kInfoExport = 0,  // u64 size, u16 transmission flags
+  kInfoName = 1,    // string
   kInfoDescription = 2,
   kInfoBlockSize = 3,  // u32 minimum, u32 preferred, u32 maximum
 };
@@ -103,9 +103,9 @@ inline constexpr uint16_t kCmdFlagFastZero = 1 << 4;  // WRITE_ZEROES
 inline constexpr uint16_t kReplyFlagDone = 1 << 0;
 enum ReplyType : uint16_t {
   kReplyNone = 0,
-  kReplyOffsetData = 1,  // u64 offset, data
-  kReplyOffsetHole = 2,  // u64 offset, u32 length
-  kReplyBlockStatus = 5,  // u32 context id, {u32 length, u32 flags}...
+  kReplyOffsetData = 1,               // u64 offset, data
+  kReplyOffsetHole = 2,               // u64 offset, u32 length
+  kReplyBlockStatus = 5,              // u32 context id, {u32 length, u32 flags}...
   kReplyError = (1 << 15) | 1,        // u32 error, u16 message length, message
   kReplyErrorOffset = (1 << 15) | 2,  // as ERROR, then u64 offset
 };
@@ -128,18 +128,18 @@ enum Error : uint32_t {
 };
 
 // --- Message sizes ---
-inline constexpr size_t kOptionHeaderSize = 16;     // magic, option, length
+inline constexpr size_t kOptionHeaderSize = 16;       // magic, option, length
 inline constexpr size_t kOptionReplyHeaderSize = 20;  // magic, option, type, length
-inline constexpr size_t kRequestSize = 28;          // magic, flags, type, cookie, offset, length
-inline constexpr size_t kSimpleReplySize = 16;      // magic, error, cookie
-inline constexpr size_t kChunkHeaderSize = 20;      // magic, flags, type, cookie, length
-inline constexpr size_t kExportNameZeroes = 124;    // padding after NBD_OPT_EXPORT_NAME's reply
+inline constexpr size_t kRequestSize = 28;            // magic, flags, type, cookie, offset, length
+inline constexpr size_t kSimpleReplySize = 16;        // magic, error, cookie
+inline constexpr size_t kChunkHeaderSize = 20;        // magic, flags, type, cookie, length
+inline constexpr size_t kExportNameZeroes = 124;      // padding after NBD_OPT_EXPORT_NAME's reply
 
 // Sizes we choose. Strings are at most 4096 bytes (proto.md "Conventions"); an option's payload
 // carries at most a few of them, so anything larger is a protocol error.
 inline constexpr uint32_t kMaxStringLength = 4096;
 inline constexpr uint32_t kMaxOptionLength = 64 * 1024;
-inline constexpr uint32_t kMaxPayload = 32 * 1024 * 1024;   // advertised maximum block size
+inline constexpr uint32_t kMaxPayload = 32 * 1024 * 1024;  // advertised maximum block size
 inline constexpr uint32_t kPreferredBlock = 4096;
 inline constexpr uint32_t kMaxDfRead = 64 * 1024;
 
@@ -156,7 +156,9 @@ inline void put64(uint8_t* p, uint64_t v) {
   put32(p, static_cast<uint32_t>(v >> 32));
   put32(p + 4, static_cast<uint32_t>(v));
 }
-inline uint16_t get16(const uint8_t* p) { return static_cast<uint16_t>((p[0] << 8) | p[1]); }
+inline uint16_t get16(const uint8_t* p) {
+  return static_cast<uint16_t>((p[0] << 8) | p[1]);
+}
 inline uint32_t get32(const uint8_t* p) {
   return (static_cast<uint32_t>(get16(p)) << 16) | get16(p + 2);
 }

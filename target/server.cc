@@ -67,7 +67,8 @@ void set_timeouts(int fd, std::chrono::milliseconds t) {
 std::error_code listen_unix(const std::string& path, int& out) {
   sockaddr_un addr{};
   addr.sun_family = AF_UNIX;
-  if (path.size() >= sizeof addr.sun_path) return std::make_error_code(std::errc::filename_too_long);
+  if (path.size() >= sizeof addr.sun_path)
+    return std::make_error_code(std::errc::filename_too_long);
   std::memcpy(addr.sun_path, path.c_str(), path.size() + 1);
   struct stat st {};
   if (::lstat(path.c_str(), &st) == 0 && S_ISSOCK(st.st_mode)) ::unlink(path.c_str());
@@ -247,7 +248,9 @@ Server::Server(ServerOptions options, std::shared_ptr<ExportCatalog> catalog)
   impl_->catalog = std::move(catalog);
 }
 
-Server::~Server() { stop(); }
+Server::~Server() {
+  stop();
+}
 
 std::error_code Server::start(std::string& what) {
   Impl& s = *impl_;
@@ -309,7 +312,9 @@ void Server::stop() {
   s.workers.clear();
 }
 
-std::vector<std::string> Server::tcp_endpoints() const { return impl_->tcp_bound; }
+std::vector<std::string> Server::tcp_endpoints() const {
+  return impl_->tcp_bound;
+}
 
 void Server::close_group(const std::string& group) {
   Impl& s = *impl_;

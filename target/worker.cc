@@ -6,8 +6,8 @@
 
 #include <algorithm>
 #include <bit>
-#include <cstring>
 #include <cstdlib>
+#include <cstring>
 
 namespace shareblk::target {
 
@@ -15,7 +15,9 @@ namespace shareblk::target {
 
 namespace {
 // Buffers kept per size class: up to 8 MiB worth, and at least one.
-size_t keep_limit(uint32_t size) { return std::max<size_t>(1, (8u << 20) / size); }
+size_t keep_limit(uint32_t size) {
+  return std::max<size_t>(1, (8u << 20) / size);
+}
 // Requests kept for reuse per worker.
 constexpr size_t kKeepRequests = 1024;
 }  // namespace
@@ -55,7 +57,9 @@ void BufferPool::put(char* buf, uint32_t size) {
 
 // --- Worker ---
 
-Worker::Worker(ConnectionRegistry& registry) : registry_(registry) { wakeup_.worker = this; }
+Worker::Worker(ConnectionRegistry& registry) : registry_(registry) {
+  wakeup_.worker = this;
+}
 
 Worker::~Worker() {
   stop();

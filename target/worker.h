@@ -122,9 +122,9 @@ class Connection {
   std::unique_ptr<char[]> rbuf_;
   size_t rpos_ = 0;
   size_t rend_ = 0;
-  Request* payload_for_ = nullptr;   // a WRITE whose payload is still arriving
+  Request* payload_for_ = nullptr;  // a WRITE whose payload is still arriving
   uint32_t payload_got_ = 0;
-  uint64_t discard_left_ = 0;        // payload bytes of a refused request still to skip
+  uint64_t discard_left_ = 0;  // payload bytes of a refused request still to skip
 
   RecvCompletion recv_done_;
   SendCompletion send_done_;

@@ -67,9 +67,9 @@ class LvmStore : public ::testing::Test {
   std::vector<PhysicalRange> ranges(const std::string& id) {
     RunResult pv = vg_->lvm({"pvs", "--reportformat", "json", "--units", "b", "--nosuffix", "-o",
                              "pe_start,vg_extent_size", vg_->device()});
-    RunResult lv = vg_->lvm({"lvs", "--reportformat", "json", "--units", "b", "--nosuffix",
-                             "--segments", "-o", "seg_start,seg_size,seg_pe_ranges",
-                             vg_name_ + "/volume-" + id});
+    RunResult lv =
+        vg_->lvm({"lvs", "--reportformat", "json", "--units", "b", "--nosuffix", "--segments", "-o",
+                  "seg_start,seg_size,seg_pe_ranges", vg_name_ + "/volume-" + id});
     EXPECT_EQ(pv.status, 0) << pv.output;
     EXPECT_EQ(lv.status, 0) << lv.output;
     auto json_of = [](const std::string& out) { return Json::parse(out.substr(out.find('{'))); };
@@ -225,7 +225,8 @@ TEST_F(LvmStore, RestartAfterKillServesTheSameExportsAndReportsMissingVolumes) {
   }
   daemon_->stop(SIGKILL);
   // An LV removed behind the daemon's back is reported at start-up, not silently forgotten.
-  RunResult rm = vg_->lvm({"lvremove", "-y", vg_name_ + "/volume-" + gone["id"].get<std::string>()});
+  RunResult rm =
+      vg_->lvm({"lvremove", "-y", vg_name_ + "/volume-" + gone["id"].get<std::string>()});
   ASSERT_EQ(rm.status, 0) << rm.output;
   start();
   EXPECT_NE(daemon_->log().find("has no backing"), std::string::npos) << daemon_->log();
@@ -251,8 +252,8 @@ TEST_F(LvmStore, FullVolumeGroupIsNoSpaceAndLeavesNothingBehind) {
 
 TEST_F(LvmStore, ForeignLogicalVolumeWithOurNameIsRefused) {
   const std::string id = "00000000-0000-4000-8000-000000000001";
-  RunResult r = vg_->lvm({"lvcreate", "-y", "-Zn", "-an", "-n", "volume-" + id, "-L", "4M",
-                          vg_name_});
+  RunResult r =
+      vg_->lvm({"lvcreate", "-y", "-Zn", "-an", "-n", "volume-" + id, "-L", "4M", vg_name_});
   ASSERT_EQ(r.status, 0) << r.output;
   // The daemon never adopts it: it says so, and no volume appears.
   daemon_.reset();
