@@ -30,7 +30,9 @@ bool have_program(const std::string& name) {
   return false;
 }
 
-bool is_root() { return ::geteuid() == 0; }
+bool is_root() {
+  return ::geteuid() == 0;
+}
 
 TempDir::TempDir() {
   std::string tmpl = (std::filesystem::temp_directory_path() / "shareblk-test-XXXXXX").string();
@@ -52,7 +54,8 @@ void make_file(const std::string& path, uint64_t size, int fill) {
     std::string chunk(1 << 20, static_cast<char>(fill));
     for (uint64_t done = 0; done < size;) {
       size_t n = static_cast<size_t>(std::min<uint64_t>(chunk.size(), size - done));
-      if (::write(fd, chunk.data(), n) != static_cast<ssize_t>(n)) throw std::runtime_error("write");
+      if (::write(fd, chunk.data(), n) != static_cast<ssize_t>(n))
+        throw std::runtime_error("write");
       done += n;
     }
   }
@@ -141,7 +144,9 @@ bool wait_for_socket(const std::string& path, std::chrono::milliseconds timeout)
   return false;
 }
 
-std::string Daemon::binary() { return SHAREBLKD_PATH; }
+std::string Daemon::binary() {
+  return SHAREBLKD_PATH;
+}
 
 Daemon::Daemon(const std::vector<std::string>& args, const std::string& ready_socket) {
   log_ = ready_socket + ".log";
@@ -157,7 +162,9 @@ Daemon::Daemon(const std::vector<std::string>& args, const std::string& ready_so
   }
 }
 
-Daemon::~Daemon() { stop(SIGTERM); }
+Daemon::~Daemon() {
+  stop(SIGTERM);
+}
 
 int Daemon::stop(int sig) {
   if (pid_ <= 0) return -1;

@@ -15,12 +15,12 @@ namespace shareblk::testing {
 bool in_ci();
 
 // Skips the test with `reason` when `condition` is false, or fails it under CI=true.
-#define SHAREBLK_REQUIRE(condition, reason)                                      \
-  do {                                                                           \
-    if (!(condition)) {                                                          \
+#define SHAREBLK_REQUIRE(condition, reason)                                        \
+  do {                                                                             \
+    if (!(condition)) {                                                            \
       if (::shareblk::testing::in_ci()) FAIL() << "required under CI: " << reason; \
-      GTEST_SKIP() << reason;                                                    \
-    }                                                                            \
+      GTEST_SKIP() << reason;                                                      \
+    }                                                                              \
   } while (0)
 
 bool have_program(const std::string& name);
@@ -44,7 +44,7 @@ void make_file(const std::string& path, uint64_t size, int fill = -1);
 std::string read_file(const std::string& path, uint64_t offset, size_t length);
 
 struct RunResult {
-  int status = -1;  // exit code, or 128+signal
+  int status = -1;     // exit code, or 128+signal
   std::string output;  // stdout and stderr together
 };
 // Runs argv (no shell) and waits at most `timeout`; a child still running then is killed.
