@@ -92,6 +92,10 @@ class Volume {
     return locate(offset, length, nullptr);
   }
 
+  // Where the bytes are, for another process to open the same volume: the segments of a map,
+  // or the one file or device from offset 0.
+  std::vector<MappedSegment> layout() const;
+
   // The devices a flush must sync: one for a file or block device, each PV for a map.
   size_t device_count() const { return device_count_.load(std::memory_order_acquire); }
   int device_fd(size_t index) const { return devices_[index].buffered_fd; }

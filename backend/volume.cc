@@ -190,6 +190,18 @@ int Volume::refresh_size() {
   return 0;
 }
 
+std::vector<MappedSegment> Volume::layout() const {
+  if (!mapped_) return {{path_, 0, size()}};
+  std::vector<MappedSegment> out;
+  const size_t count = segment_count_.load(std::memory_order_acquire);
+  for (size_t i = 0; i < count; ++i) {
+    const Segment& seg = segments_[i];
+    out.push_back(
+        {devices_[seg.device].path, seg.device_offset, seg.length.load(std::memory_order_relaxed)});
+  }
+  return out;
+}
+
 Volume::Location Volume::locate(uint64_t offset, uint64_t length, const void* buf) const {
   uint64_t at = offset;
   const Device* device = &devices_[0];

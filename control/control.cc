@@ -140,7 +140,7 @@ Json ControlPlane::Impl::handle_one(const Json& request, const Caller& caller) {
                                   "params must be an object"));
   }
   try {
-    Json result = service.call(method, params);
+    Json result = service.call(method, params, caller);
     spdlog::info("control: uid={} pid={} {}: ok", caller.uid, caller.pid, method);
     return respond(Json{{"jsonrpc", "2.0"}, {"id", id}, {"result", std::move(result)}});
   } catch (const ApiError& e) {
@@ -222,8 +222,46 @@ void ControlPlane::Impl::accept_loop() {
   }
 }
 
+namespace {
+
+// One control-socket client. Replies and notifications from other threads share the socket,
+// so every line goes out whole under one mutex.
+class ClientConnection final : public Subscriber {
+ public:
+  explicit ClientConnection(int fd) : fd_(fd) {}
+  void notify(const std::string& line) override { send_line(line); }
+  // After this, lines for the client are dropped: its descriptor number may be reused.
+  void close() {
+    std::lock_guard lock(mutex_);
+    ::close(fd_);
+    fd_ = -1;
+  }
+  void send_line(const std::string& line) {
+    std::lock_guard lock(mutex_);
+    if (fd_ < 0) return;
+    std::string out = line + "\n";
+    const char* p = out.data();
+    size_t left = out.size();
+    while (left > 0) {
+      ssize_t w = ::send(fd_, p, left, MSG_NOSIGNAL);
+      if (w < 0 && errno == EINTR) continue;
+      if (w <= 0) return;  // the client is gone; its reader notices
+      p += w;
+      left -= static_cast<size_t>(w);
+    }
+  }
+
+ private:
+  int fd_;
+  std::mutex mutex_;
+};
+
+}  // namespace
+
 void ControlPlane::Impl::serve_client(int fd) {
+  auto connection = std::make_shared<ClientConnection>(fd);
   Caller caller;
+  caller.subscriber = connection;
   ucred cred{};
   socklen_t len = sizeof cred;
   if (::getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) == 0) {
@@ -247,17 +285,7 @@ void ControlPlane::Impl::serve_client(int fd) {
       }
       if (line.find_first_not_of(" \t\r") == std::string::npos) continue;  // blank line
       std::string reply = handle(line, caller);
-      if (reply.empty()) continue;
-      reply += '\n';
-      const char* p = reply.data();
-      size_t left = reply.size();
-      while (left > 0) {
-        ssize_t w = ::send(fd, p, left, MSG_NOSIGNAL);
-        if (w < 0 && errno == EINTR) continue;
-        if (w <= 0) break;
-        p += w;
-        left -= static_cast<size_t>(w);
-      }
+      if (!reply.empty()) connection->send_line(reply);
     }
     buffer.erase(0, start);
     if (skipping) {
@@ -265,16 +293,15 @@ void ControlPlane::Impl::serve_client(int fd) {
       // long it goes on.
       buffer.clear();
     } else if (buffer.size() > kMaxLine) {
-      std::string reply =
-          error_response(nullptr, kParseError, "invalid_params", "line too long").dump() + "\n";
-      ::send(fd, reply.data(), reply.size(), MSG_NOSIGNAL);
+      connection->send_line(
+          error_response(nullptr, kParseError, "invalid_params", "line too long").dump());
       buffer.clear();
       skipping = true;
     }
   }
   std::lock_guard lock(mutex);
   clients.erase(fd);
-  ::close(fd);
+  connection->close();
   idle.notify_all();
 }
 

@@ -31,10 +31,19 @@ struct Endpoints {
   std::string tcp;          // "HOST:PORT", empty: no TCP listener
 };
 
+// A control-socket client that can be sent notifications (JSON-RPC requests without an id)
+// after its call returned: export_resolve's callers learn of revoked attachments this way.
+class Subscriber {
+ public:
+  virtual ~Subscriber() = default;
+  virtual void notify(const std::string& line) = 0;
+};
+
 // Who called, from SO_PEERCRED; logged with every call.
 struct Caller {
   pid_t pid = 0;
   uid_t uid = 0;
+  std::weak_ptr<Subscriber> subscriber;  // empty: the caller takes no notifications
 };
 
 class ControlPlane {

@@ -184,6 +184,29 @@ Service::Service(const std::string& db_path, lvm::VolumeStore& store, Policy pol
 void Service::bind(target::Server* server, Endpoints endpoints) {
   server_ = server;
   endpoints_ = std::move(endpoints);
+  // FUSE attachments live as long as their attachment, across restarts: mount them again
+  // (a stale mount of a killed daemon is cleared first).
+  std::vector<std::pair<AttachmentRow, VolumeRow>> fuse_attachments;
+  {
+    Database::Transaction tx(db_);
+    for (const AttachmentRow& a : tx.attachments()) {
+      if (serving(a) && !a.connector.empty() &&
+          Json::parse(a.connector).value("transport", "") == "fuse") {
+        fuse_attachments.emplace_back(a, find_volume(tx, a.volume_id));
+      }
+    }
+  }
+  for (auto& [a, v] : fuse_attachments) {
+    try {
+      AttachmentRow copy = a;
+      copy.attach_status = "reserved";  // connect() wants a state it may move from
+      connect(copy, v, Json::parse(a.connector));
+      spdlog::info("control: attachment {} mounted again at {}", a.id,
+                   Json::parse(a.connector)["mountpoint"].get<std::string>());
+    } catch (const std::exception& e) {
+      spdlog::error("control: cannot mount attachment {} again: {}", a.id, e.what());
+    }
+  }
 }
 
 // At start-up: no connection survives a restart, so a detach that was under way is done; and
@@ -227,11 +250,11 @@ bool Service::has_method(const std::string& method) const {
       "volume_create",       "volume_list",       "volume_show",       "volume_delete",
       "volume_extend",       "volume_update",     "attachment_create", "attachment_update",
       "attachment_complete", "attachment_delete", "attachment_list",   "attachment_show",
-      "volume_detach"};
+      "volume_detach",       "export_resolve"};
   return kMethods.count(method) != 0;
 }
 
-Json Service::call(const std::string& method, const Json& p) {
+Json Service::call(const std::string& method, const Json& p, const Caller& caller) {
   if (method == "volume_create") return volume_create(p);
   if (method == "volume_list") return volume_list(p);
   if (method == "volume_show") return volume_show(p);
@@ -245,6 +268,7 @@ Json Service::call(const std::string& method, const Json& p) {
   if (method == "attachment_list") return attachment_list(p);
   if (method == "attachment_show") return attachment_show(p);
   if (method == "volume_detach") return volume_detach(p);
+  if (method == "export_resolve") return export_resolve(p, caller);
   throw ApiError("not_found", "unknown method '" + method + "'");
 }
 
@@ -291,6 +315,14 @@ Json Service::connection_info(const AttachmentRow& a, const VolumeRow& v) {
   if (!serving(a) || a.connector.empty()) return nullptr;
   const Json connector = Json::parse(a.connector);
   const std::string transport = connector.value("transport", "tcp");
+  if (transport == "fuse") {
+    return Json{{"driver_volume_type", "local"},
+                {"data",
+                 {{"device_path", connector["mountpoint"].get<std::string>() + "/disk"},
+                  {"access_mode", a.mode},
+                  {"shareable", v.multiattach},
+                  {"size", v.size}}}};
+  }
   std::string uri;
   if (transport == "unix") {
     uri = "nbd+unix:///" + a.export_name + "?socket=" + endpoints_.unix_socket;
@@ -484,8 +516,7 @@ Json Service::volume_update(const Json& p) {
 
 // --- Attachments ---
 
-void Service::connect(Database::Transaction& tx, AttachmentRow& a, const Json& connector) {
-  (void)tx;
+void Service::connect(AttachmentRow& a, const VolumeRow& v, const Json& connector) {
   if (!connector.is_object()) invalid("connector must be an object");
   only_keys(connector, {"host", "ip", "transport", "initiator", "platform", "os_type", "multipath",
                         "mountpoint"});
@@ -495,8 +526,11 @@ void Service::connect(Database::Transaction& tx, AttachmentRow& a, const Json& c
     if (endpoints_.tcp.empty()) invalid("this daemon has no TCP listener");
   } else if (transport == "unix") {
     if (endpoints_.unix_socket.empty()) invalid("this daemon has no Unix socket listener");
+  } else if (transport == "fuse") {
+    const std::string mountpoint = need_string(connector, "mountpoint");
+    if (mountpoint.front() != '/') invalid("mountpoint must be an absolute path");
   } else {
-    invalid("connector transport must be \"tcp\" or \"unix\"");
+    invalid("connector transport must be \"tcp\", \"unix\" or \"fuse\"");
   }
   if (auto ip = opt_string(connector, "ip")) {
     unsigned char buf[16];
@@ -507,11 +541,60 @@ void Service::connect(Database::Transaction& tx, AttachmentRow& a, const Json& c
   if (a.attach_status != "reserved" && a.attach_status != "attaching") {
     throw ApiError("invalid_state", "attachment " + a.id + " is " + a.attach_status);
   }
+  // A new connector replaces the old one, and with it any mount the old one had.
+  bool lazy = false;
+  unmount(a.id, lazy);
+  if (transport == "fuse") {
+    auto volume = open_volume(a.volume_id, v.size);
+    if (!volume) throw ApiError("internal", "cannot open volume " + a.volume_id);
+    std::string error;
+    auto mount = fuse::LocalAttach::mount(
+        connector["mountpoint"].get<std::string>(),
+        backend::Handle(volume, a.mode == "ro" ? backend::AttachMode::ReadOnly
+                                               : backend::AttachMode::ReadWrite),
+        error);
+    if (!mount) throw ApiError("invalid_params", error);
+    std::lock_guard lock(mounts_mutex_);
+    mounts_[a.id] = std::move(mount);
+  }
   Json stored = connector;
   stored["transport"] = transport;
   a.connector = stored.dump();
   a.attach_status = "attaching";
   if (a.attached_host.empty()) a.attached_host = connector["host"].get<std::string>();
+}
+
+void Service::unmount(const std::string& attachment_id, bool& lazy) {
+  std::unique_ptr<fuse::LocalAttach> mount;
+  {
+    std::lock_guard lock(mounts_mutex_);
+    auto it = mounts_.find(attachment_id);
+    if (it == mounts_.end()) return;
+    mount = std::move(it->second);
+    mounts_.erase(it);
+  }
+  lazy = mount->unmount();
+  if (lazy) {
+    spdlog::warn("control: {} was busy; detached lazily (no I/O goes through it any more)",
+                 mount->mountpoint());
+  }
+}
+
+void Service::notify_revoked(const std::string& attachment_id) {
+  std::vector<std::shared_ptr<Subscriber>> targets;
+  {
+    std::lock_guard lock(subscribers_mutex_);
+    auto [first, last] = subscribers_.equal_range(attachment_id);
+    for (auto it = first; it != last; ++it) {
+      if (auto s = it->second.lock()) targets.push_back(std::move(s));
+    }
+    subscribers_.erase(first, last);
+  }
+  const std::string line = Json{{"jsonrpc", "2.0"},
+                                {"method", "attachment_revoked"},
+                                {"params", {{"attachment_id", attachment_id}}}}
+                               .dump();
+  for (const auto& s : targets) s->notify(line);
 }
 
 Json Service::attachment_create(const Json& p) {
@@ -559,10 +642,16 @@ Json Service::attachment_create(const Json& p) {
   a.export_name = random_hex(16);  // 128 random bits: the name is the capability
   a.attach_status = "reserved";
   a.created_at = now_iso();
-  if (p.contains("connector") && !p["connector"].is_null()) connect(tx, a, p["connector"]);
-  tx.insert_attachment(a);
+  if (p.contains("connector") && !p["connector"].is_null()) connect(a, v, p["connector"]);
+  try {
+    tx.insert_attachment(a);
+    tx.commit();
+  } catch (...) {
+    bool lazy = false;
+    unmount(a.id, lazy);  // never a mount the database does not know of
+    throw;
+  }
   Json out = attachment_json(a, v);
-  tx.commit();
   spdlog::info("control: attachment {} of volume {} for {} ({}, {})", a.id, volume_id,
                a.instance_uuid, a.mode, a.attach_status);
   return out;
@@ -582,11 +671,16 @@ Json Service::attachment_update(const Json& p) {
   Database::Transaction tx(db_);
   AttachmentRow a = find_attachment(tx, id);
   VolumeRow v = find_volume(tx, volume_id);
-  connect(tx, a, p["connector"]);
-  tx.update_attachment(a);
-  Json out = attachment_json(a, v);
-  tx.commit();
-  return out;
+  connect(a, v, p["connector"]);
+  try {
+    tx.update_attachment(a);
+    tx.commit();
+  } catch (...) {
+    bool lazy = false;
+    unmount(a.id, lazy);
+    throw;
+  }
+  return attachment_json(a, v);
 }
 
 Json Service::attachment_complete(const Json& p) {
@@ -630,13 +724,19 @@ Json Service::detach(const std::string& volume_id, const std::string& attachment
     tx.update_attachment(a);
     tx.commit();
   }
+  // Processes that serve the attachment themselves (nbdkit) are told first; they refuse it
+  // from their next request on, and the detach does not wait for them.
+  notify_revoked(a.id);
   if (server_ != nullptr) server_->close_group(a.id);
+  bool lazy = false;
+  unmount(a.id, lazy);
   Database::Transaction tx(db_);
   a.attach_status = "detached";
   a.detach_time = now_iso();
   tx.update_attachment(a);
   Json out = attachment_json(a, v);
   tx.commit();
+  if (lazy) out["unmounted_lazily"] = true;
   spdlog::info("control: attachment {} of volume {} detached", a.id, volume_id);
   return out;
 }
@@ -706,6 +806,43 @@ Json Service::attachment_show(const Json& p) {
   Database::Transaction tx(db_);
   AttachmentRow a = find_attachment(tx, need_string(p, "attachment_id"));
   return attachment_json(a, find_volume(tx, a.volume_id));
+}
+
+// Tells another process (the nbdkit plugin) where a live attachment's bytes are and in which
+// mode, and subscribes the caller to its revocation.
+Json Service::export_resolve(const Json& p, const Caller& caller) {
+  only_keys(p, {"export_name"});
+  const std::string name = need_string(p, "export_name");
+  AttachmentRow a;
+  VolumeRow v;
+  {
+    Database::Transaction tx(db_);
+    auto found = tx.attachment_by_export(name);
+    if (!found || !serving(*found)) throw ApiError("not_found", "no live export of that name");
+    a = *found;
+    v = find_volume(tx, a.volume_id);
+  }
+  auto volume = open_volume(a.volume_id, v.size);
+  if (!volume) throw ApiError("internal", "cannot open volume " + a.volume_id);
+  Json segments = Json::array();
+  for (const backend::MappedSegment& m : volume->layout()) {
+    segments.push_back({{"path", m.path}, {"offset", m.offset}, {"length", m.length}});
+  }
+  if (!caller.subscriber.expired()) {
+    {
+      std::lock_guard lock(subscribers_mutex_);
+      subscribers_.emplace(a.id, caller.subscriber);
+    }
+    // A detach that began before we subscribed has already sent its notices: look again.
+    Database::Transaction tx(db_);
+    auto now = tx.attachment(a.id);
+    if (!now || !serving(*now)) throw ApiError("not_found", "no live export of that name");
+  }
+  return Json{{"attachment_id", a.id},
+              {"volume_id", a.volume_id},
+              {"mode", a.mode},
+              {"size", v.size},
+              {"backing", {{"mapped", volume->is_mapped()}, {"segments", segments}}}};
 }
 
 // --- The catalog ---

@@ -10,6 +10,7 @@
 
 #include "control/control.h"
 #include "control/db.h"
+#include "fuse/local_attach.h"
 
 namespace shareblk::control {
 
@@ -30,8 +31,8 @@ class Service {
 
   void bind(target::Server* server, Endpoints endpoints);
 
-  // Runs one method. Throws ApiError (and DbError for a broken database).
-  Json call(const std::string& method, const Json& params);
+  // Runs one method for `caller`. Throws ApiError (and DbError for a broken database).
+  Json call(const std::string& method, const Json& params, const Caller& caller);
   bool has_method(const std::string& method) const;
 
   target::ExportCatalog::Lookup resolve(const std::string& export_name, const target::Peer& peer);
@@ -50,13 +51,17 @@ class Service {
   Json attachment_list(const Json& p);
   Json attachment_show(const Json& p);
   Json volume_detach(const Json& p);
+  Json export_resolve(const Json& p, const Caller& caller);
 
   // Serializes every change to one volume and its attachments.
   std::shared_ptr<std::mutex> volume_lock(const std::string& volume_id);
   std::shared_ptr<backend::Volume> open_volume(const std::string& volume_id, uint64_t size);
   void forget_volume(const std::string& volume_id);
 
-  void connect(Database::Transaction& tx, AttachmentRow& a, const Json& connector);
+  // Validates a connector and moves the attachment to attaching; mounts a FUSE one.
+  void connect(AttachmentRow& a, const VolumeRow& v, const Json& connector);
+  void unmount(const std::string& attachment_id, bool& lazy);
+  void notify_revoked(const std::string& attachment_id);
   Json detach(const std::string& volume_id, const std::string& attachment_id);
   AttachmentRow find_attachment(Database::Transaction& tx, const std::string& id);
   VolumeRow find_volume(Database::Transaction& tx, const std::string& id);
@@ -76,6 +81,13 @@ class Service {
   std::map<std::string, std::shared_ptr<std::mutex>> volume_locks_;
   std::mutex open_mutex_;
   std::map<std::string, std::shared_ptr<backend::Volume>> open_volumes_;
+
+  // FUSE local attaches by attachment id; changed under the attachment's volume lock.
+  std::mutex mounts_mutex_;
+  std::map<std::string, std::unique_ptr<fuse::LocalAttach>> mounts_;
+  // export_resolve callers (the nbdkit plugin) by attachment id, told when it is revoked.
+  std::mutex subscribers_mutex_;
+  std::multimap<std::string, std::weak_ptr<Subscriber>> subscribers_;
 };
 
 }  // namespace shareblk::control

@@ -2,6 +2,7 @@
 #include <fcntl.h>
 #include <gtest/gtest.h>
 #include <linux/falloc.h>
+#include <signal.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -10,6 +11,7 @@
 
 #include "backend/backend.h"
 #include "fuse/local_attach.h"
+#include "tests/control_client.h"
 #include "tests/support.h"
 
 namespace shareblk::testing {
@@ -189,6 +191,106 @@ TEST_F(FuseAttach, UnmountWhileALoopDeviceHoldsItDetachesLazilyAndStopsIo) {
     ::close(dev);
   }
   EXPECT_EQ(read_file(dir_ / "volume.img", 0, 4096), before);
+}
+
+// The same frontend driven through the attachment API of a running daemon.
+class FuseThroughDaemon : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    std::string why;
+    SHAREBLK_REQUIRE(fuse_available(why), why);
+    for (const char* d : {"mnt-rw", "mnt-ro"}) ASSERT_EQ(::mkdir((dir_ / d).c_str(), 0755), 0);
+    start();
+    volume_ = rpc_ok(socket(), "volume_create",
+                     {{"name", "local"}, {"size", "16M"}, {"multiattach", true}})["id"];
+  }
+  void start() {
+    daemon_ = std::make_unique<Daemon>(
+        std::vector<std::string>{"--state-dir", dir_ / "var", "--listen-unix", dir_ / "nbd.sock",
+                                 "--workers", "1"},
+        socket());
+  }
+  std::string socket() const { return dir_ / "var/shareblk.sock"; }
+  nlohmann::json attach(const std::string& instance, const std::string& mode,
+                        const std::string& mountpoint) {
+    return rpc_ok(
+        socket(), "attachment_create",
+        {{"volume_id", volume_},
+         {"instance_uuid", instance},
+         {"mode", mode},
+         {"connector", {{"host", instance}, {"transport", "fuse"}, {"mountpoint", mountpoint}}}});
+  }
+  static bool mounted(const std::string& mountpoint) {
+    std::ifstream in("/proc/self/mountinfo");
+    std::string line;
+    while (std::getline(in, line)) {
+      if (line.find(" " + mountpoint + " ") != std::string::npos) return true;
+    }
+    return false;
+  }
+
+  TempDir dir_;
+  std::unique_ptr<Daemon> daemon_;
+  std::string volume_;
+};
+
+TEST_F(FuseThroughDaemon, AttachMountsDetachUnmountsAndTheBytesAreTheVolumes) {
+  nlohmann::json rw = attach("writer", "rw", dir_ / "mnt-rw");
+  EXPECT_EQ(rw["connection_info"]["driver_volume_type"], "local");
+  const std::string disk = rw["connection_info"]["data"]["device_path"];
+  EXPECT_EQ(disk, dir_ / "mnt-rw/disk");
+  EXPECT_EQ(rw["connection_info"]["data"]["access_mode"], "rw");
+  EXPECT_EQ(rw["connection_info"]["data"]["shareable"], true);
+  nlohmann::json ro = attach("reader", "ro", dir_ / "mnt-ro");
+  const std::string ro_disk = ro["connection_info"]["data"]["device_path"];
+
+  int fd = ::open(disk.c_str(), O_RDWR);
+  ASSERT_GE(fd, 0) << std::strerror(errno);
+  const std::string data(65536, 'L');
+  ASSERT_EQ(::pwrite(fd, data.data(), data.size(), 8192), static_cast<ssize_t>(data.size()));
+  ASSERT_EQ(::fsync(fd), 0);
+  ::close(fd);
+  EXPECT_EQ(read_file(ro_disk, 8192, data.size()), data);  // through the read-only attachment
+  EXPECT_EQ(read_file(dir_ / ("var/volumes/" + volume_ + ".img"), 8192, data.size()), data);
+  EXPECT_LT(::open(ro_disk.c_str(), O_WRONLY), 0);
+
+  nlohmann::json gone = rpc_ok(socket(), "attachment_delete", {{"attachment_id", rw["id"]}});
+  EXPECT_EQ(gone["attach_status"], "detached");
+  EXPECT_FALSE(mounted(dir_ / "mnt-rw"));
+  EXPECT_TRUE(mounted(dir_ / "mnt-ro"));
+}
+
+TEST_F(FuseThroughDaemon, BusyMountIsDetachedLazilyAndSaysSo) {
+  nlohmann::json rw = attach("writer", "rw", dir_ / "mnt-rw");
+  int fd = ::open((dir_ / "mnt-rw/disk").c_str(), O_RDWR);
+  ASSERT_GE(fd, 0);
+  nlohmann::json gone = rpc_ok(socket(), "attachment_delete", {{"attachment_id", rw["id"]}});
+  EXPECT_EQ(gone.value("unmounted_lazily", false), true);
+  char byte = 'x';
+  EXPECT_LT(::pwrite(fd, &byte, 1, 0), 0) << "nothing may be written after detach";
+  ::close(fd);
+  EXPECT_FALSE(mounted(dir_ / "mnt-rw"));
+}
+
+TEST_F(FuseThroughDaemon, RestartAndKillMountTheLiveAttachmentsAgain) {
+  attach("writer", "rw", dir_ / "mnt-rw");
+  const std::string data(4096, 'K');
+  {
+    int fd = ::open((dir_ / "mnt-rw/disk").c_str(), O_RDWR);
+    ASSERT_GE(fd, 0);
+    ASSERT_EQ(::pwrite(fd, data.data(), data.size(), 0), 4096);
+    ASSERT_EQ(::fsync(fd), 0);
+    ::close(fd);
+  }
+  daemon_->stop(SIGTERM);
+  EXPECT_FALSE(mounted(dir_ / "mnt-rw")) << "a clean stop unmounts";
+  start();
+  EXPECT_TRUE(mounted(dir_ / "mnt-rw"));
+  EXPECT_EQ(read_file(dir_ / "mnt-rw/disk", 0, 4096), data);
+
+  daemon_->stop(SIGKILL);  // leaves a dead mount behind
+  start();                 // which must not block the next start
+  EXPECT_EQ(read_file(dir_ / "mnt-rw/disk", 0, 4096), data);
 }
 
 }  // namespace
