@@ -294,9 +294,7 @@ void usage(std::ostream& out, const po::options_description& global) {
   out << "  call METHOD [JSON_PARAMS]   any method, params as a JSON object\n\n" << global;
 }
 
-}  // namespace
-
-int main(int argc, char** argv) {
+int run(int argc, char** argv) {
   po::options_description global("options");
   const char* env_socket = std::getenv("SHAREBLK_SOCKET");
   // clang-format off
@@ -395,4 +393,16 @@ int main(int argc, char** argv) {
       break;
   }
   return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  // Errors are reported where they happen; this is the last word on one that was not.
+  try {
+    return run(argc, argv);
+  } catch (const std::exception& e) {
+    std::cerr << "shareblk: " << e.what() << "\n";
+    return 1;
+  }
 }

@@ -62,9 +62,7 @@ sigset_t block_signals() {
   return set;
 }
 
-}  // namespace
-
-int main(int argc, char** argv) {
+int run(int argc, char** argv) {
   po::options_description desc("shareblkd options");
   // clang-format off
   desc.add_options()
@@ -215,4 +213,16 @@ int main(int argc, char** argv) {
   if (plane) plane->stop();
   server.stop();
   return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  // Errors are reported where they happen; this is the last word on one that was not.
+  try {
+    return run(argc, argv);
+  } catch (const std::exception& e) {
+    std::cerr << "shareblkd: " << e.what() << "\n";
+    return 1;
+  }
 }

@@ -120,7 +120,7 @@ Json ControlPlane::Impl::handle_one(const Json& request, const Caller& caller) {
     return error_response(nullptr, kInvalidRequest, "invalid_params",
                           "id must be a string, a number or null");
   }
-  auto respond = [&](Json response) { return notification ? Json() : response; };
+  auto respond = [&](Json response) { return notification ? Json() : std::move(response); };
   // Compared as JSON, not read with value(), which throws when "jsonrpc" is not a string.
   const auto version = request.find("jsonrpc");
   if (version == request.end() || *version != Json("2.0") || !request.contains("method") ||

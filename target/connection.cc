@@ -328,6 +328,8 @@ void Connection::encode_reply(Request* r, int err) {
                         length);
     put32(p + kChunkHeaderSize, wire);
     put16(p + kChunkHeaderSize + 4, text_len);
+    // The wire's strings are length-prefixed, never NUL-terminated (proto.md "Conventions").
+    // NOLINTNEXTLINE(bugprone-not-null-terminated-result)
     if (text_len) std::memcpy(p + kChunkHeaderSize + 6, text, text_len);
     if (with_offset) put64(p + kChunkHeaderSize + 6 + text_len, r->offset);
     add(p, kChunkHeaderSize + length);
