@@ -1,0 +1,482 @@
+// nbdkit-shareblk-plugin: shareblkd's attachments, served by nbdkit.
+//
+//   nbdkit shareblk control=/path/to/shareblk.sock
+//
+// serves every live attachment of that daemon under its export name. At open, the export name
+// the client asked for is resolved through the daemon's control socket (export_resolve): which
+// attachment, in which mode, and where the volume's bytes are. I/O then goes through the same
+// backend library as shareblkd, one backend::Handle per connection, so the read-only rule and
+// the range checks are the backend's, not this plugin's.
+//
+// Revocation. The control connection that resolved the name stays open, and the daemon writes
+// an attachment_revoked notification on it before its attachment_delete returns. Every request
+// first looks for that notification (a poll of the socket that never waits), so a deleted
+// attachment is refused from the next request on, with ESHUTDOWN. The daemon does not wait for
+// nbdkit's connections to close: the plugin cannot close them itself (nbdkit 1.32 has no such
+// call), and refusing every request has the same effect on the data.
+//
+// A control connection that breaks (the daemon stopped or restarted) is treated like a
+// revocation: from then on the plugin could not learn of one, so it fails closed. Clients
+// reconnect and resolve their names again, as they would after shareblkd itself restarted.
+#define NBDKIT_API_VERSION 2
+#include <nbdkit-plugin.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <sys/time.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "backend/backend.h"
+
+// Requests of one connection may run at once: backend::Handle is thread-safe and the control
+// link takes its own lock.
+#define THREAD_MODEL NBDKIT_THREAD_MODEL_PARALLEL
+
+namespace {
+
+namespace backend = shareblk::backend;
+using Json = nlohmann::json;
+
+// A daemon that takes longer than this to answer export_resolve is treated as gone, so that a
+// hung daemon cannot hang nbdkit's handshakes forever.
+constexpr int kControlTimeoutSeconds = 30;
+// Longer lines from the control socket are not the daemon's: the link is dropped.
+constexpr size_t kMaxLine = 1 << 20;
+// Extents returned per block-status request at most; the client asks again for the rest.
+constexpr size_t kMaxExtents = 1024;
+
+// Absolute, because nbdkit changes directory to / when it daemonizes.
+std::string control_path;
+
+// The control-socket connection of one nbdkit connection: it resolves the export name, then
+// carries the attachment's revocation.
+class ControlLink {
+ public:
+  ControlLink() = default;
+  ~ControlLink() {
+    if (fd_ >= 0) ::close(fd_);
+  }
+  ControlLink(const ControlLink&) = delete;
+  ControlLink& operator=(const ControlLink&) = delete;
+
+  // Connects to the daemon and calls export_resolve for `export_name`. On failure returns
+  // false with a message for nbdkit's log in `error`.
+  bool resolve(const std::string& export_name, Json& result, std::string& error);
+
+  // 0 while the attachment is live; ESHUTDOWN once it was revoked or the daemon went away.
+  int check();
+
+ private:
+  bool connect_socket(std::string& error);
+  // Reads what the socket has, without waiting; false when the daemon closed it.
+  bool read_available();
+  // Handles every complete line in buffer_ (revocation notices); leaves a partial line.
+  void consume_lines();
+  void revoke(const char* why);
+
+  int fd_ = -1;
+  std::string attachment_id_;
+  std::atomic<bool> revoked_{false};
+  std::mutex mutex_;    // reading the socket, and buffer_
+  std::string buffer_;  // received, not yet a whole line
+};
+
+bool ControlLink::connect_socket(std::string& error) {
+  fd_ = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd_ < 0) {
+    error = std::string("socket: ") + std::strerror(errno);
+    return false;
+  }
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  std::memcpy(addr.sun_path, control_path.c_str(), control_path.size() + 1);  // length checked
+  if (::connect(fd_, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) {
+    error = "cannot connect to shareblkd's control socket " + control_path + ": " +
+            std::strerror(errno);
+    return false;
+  }
+  // Bounds the blocking send and receive of export_resolve; later reads never block.
+  timeval timeout{kControlTimeoutSeconds, 0};
+  ::setsockopt(fd_, SOL_SOCKET, SO_RCVTIMEO, &timeout, sizeof timeout);
+  ::setsockopt(fd_, SOL_SOCKET, SO_SNDTIMEO, &timeout, sizeof timeout);
+  return true;
+}
+
+bool ControlLink::resolve(const std::string& export_name, Json& result, std::string& error) {
+  if (!connect_socket(error)) return false;
+  const std::string request = Json{{"jsonrpc", "2.0"},
+                                   {"id", 1},
+                                   {"method", "export_resolve"},
+                                   {"params", {{"export_name", export_name}}}}
+                                  .dump() +
+                              "\n";
+  for (size_t done = 0; done < request.size();) {
+    ssize_t n = ::send(fd_, request.data() + done, request.size() - done, MSG_NOSIGNAL);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      error = std::string("control socket: send: ") + std::strerror(errno);
+      return false;
+    }
+    done += static_cast<size_t>(n);
+  }
+  // The reply is the first line with our id; nothing else can come before it.
+  Json reply;
+  for (;;) {
+    if (size_t nl = buffer_.find('\n'); nl != std::string::npos) {
+      reply = Json::parse(buffer_.substr(0, nl), nullptr, /*allow_exceptions=*/false);
+      buffer_.erase(0, nl + 1);
+      if (reply.is_object() && reply.value("id", Json()) == Json(1)) break;
+      continue;
+    }
+    if (buffer_.size() > kMaxLine) {
+      error = "control socket: reply too long";
+      return false;
+    }
+    char chunk[65536];
+    ssize_t n = ::recv(fd_, chunk, sizeof chunk, 0);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      error = n == 0 ? "control socket closed before export_resolve was answered"
+                     : std::string("control socket: ") + std::strerror(errno);
+      return false;
+    }
+    buffer_.append(chunk, static_cast<size_t>(n));
+  }
+  if (const auto failure = reply.find("error"); failure != reply.end()) {
+    // The export name is a capability: it is left out of the log.
+    const Json& data = failure->is_object() ? failure->value("data", Json::object()) : Json();
+    const std::string reason = data.is_object() ? data.value("reason", "") : "";
+    error = reason == "not_found" ? std::string("no live shareblk attachment has this export name")
+                                  : "export_resolve failed: " + failure->dump();
+    return false;
+  }
+  const auto found = reply.find("result");
+  if (found == reply.end() || !found->is_object() || !found->contains("attachment_id") ||
+      !(*found)["attachment_id"].is_string()) {
+    error = "export_resolve: unexpected reply " + reply.dump();
+    return false;
+  }
+  result = *found;
+  attachment_id_ = result["attachment_id"].get<std::string>();
+  // A revocation may already have followed the reply.
+  consume_lines();
+  return true;
+}
+
+int ControlLink::check() {
+  if (revoked_.load(std::memory_order_acquire)) return ESHUTDOWN;
+  // The notification is in our receive queue before attachment_delete returns, so this poll,
+  // not a reader thread that may not have run yet, is what makes "the next request" exact.
+  pollfd ready{fd_, POLLIN, 0};
+  if (::poll(&ready, 1, 0) == 0) return 0;
+  try {
+    std::lock_guard lock(mutex_);
+    if (!revoked_.load(std::memory_order_relaxed)) {
+      if (read_available()) {
+        consume_lines();
+      } else {
+        revoke("the control connection to shareblkd closed");
+      }
+    }
+  } catch (const std::exception&) {  // out of memory for the line: this request fails only
+    return ENOMEM;
+  }
+  return revoked_.load(std::memory_order_acquire) ? ESHUTDOWN : 0;
+}
+
+bool ControlLink::read_available() {
+  char chunk[4096];
+  for (;;) {
+    ssize_t n = ::recv(fd_, chunk, sizeof chunk, MSG_DONTWAIT);
+    if (n > 0) {
+      buffer_.append(chunk, static_cast<size_t>(n));
+      continue;
+    }
+    if (n < 0 && errno == EINTR) continue;
+    return n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK);
+  }
+}
+
+void ControlLink::consume_lines() {
+  for (size_t nl; (nl = buffer_.find('\n')) != std::string::npos;) {
+    const Json line = Json::parse(buffer_.substr(0, nl), nullptr, /*allow_exceptions=*/false);
+    buffer_.erase(0, nl + 1);
+    if (!line.is_object() || line.value("method", Json()) != Json("attachment_revoked")) continue;
+    const Json params = line.value("params", Json());
+    if (params.is_object() && params.value("attachment_id", Json()) == Json(attachment_id_)) {
+      revoke("the attachment was deleted");
+    }
+  }
+  if (buffer_.size() > kMaxLine) revoke("the control connection sent an over-long line");
+}
+
+void ControlLink::revoke(const char* why) {
+  if (revoked_.exchange(true, std::memory_order_acq_rel)) return;
+  nbdkit_debug("shareblk: attachment %s: %s; its requests are refused from now on",
+               attachment_id_.c_str(), why);
+}
+
+// One nbdkit connection: the attachment it resolved to, and the volume as that attachment sees
+// it.
+struct Connection {
+  ControlLink control;
+  backend::Handle io;
+};
+
+Connection* as_connection(void* handle) {
+  return static_cast<Connection*>(handle);
+}
+
+// Fails the current request with `err`. Errors the client caused (a refused write, a range past
+// the end, a fast zero that would be slow, a revoked attachment) are only debug output; the
+// others are the device's and go to nbdkit's log.
+int fail(int err, const char* what) {
+  switch (err) {
+    case EPERM:
+    case EROFS:
+    case EINVAL:
+    case ENOSPC:
+    case ENOTSUP:
+    case ESHUTDOWN:
+      nbdkit_debug("shareblk: %s: %s", what, std::strerror(err));
+      break;
+    default:
+      nbdkit_error("shareblk: %s: %s", what, std::strerror(err));
+  }
+  nbdkit_set_error(err);
+  return -1;
+}
+
+// --- Configuration ---
+
+int shareblk_config(const char* key, const char* value) {
+  if (std::strcmp(key, "control") == 0) {
+    char* path = nbdkit_absolute_path(value);
+    if (path == nullptr) return -1;
+    control_path = path;
+    std::free(path);  // NOLINT(cppcoreguidelines-no-malloc): nbdkit allocated it with malloc
+    return 0;
+  }
+  nbdkit_error("shareblk: unknown parameter '%s' (the plugin takes control=PATH)", key);
+  return -1;
+}
+
+int shareblk_config_complete() {
+  if (control_path.empty()) {
+    nbdkit_error("shareblk: control=PATH (shareblkd's control socket) is required");
+    return -1;
+  }
+  if (control_path.size() >= sizeof(sockaddr_un{}.sun_path)) {
+    nbdkit_error("shareblk: control socket path %s is too long for a Unix socket",
+                 control_path.c_str());
+    return -1;
+  }
+  return 0;
+}
+
+// --- Connections ---
+
+void* shareblk_open(int readonly) {
+  try {
+    auto connection = std::make_unique<Connection>();
+    const char* name = nbdkit_export_name();
+    Json resolved;
+    std::string error;
+    if (!connection->control.resolve(name != nullptr ? name : "", resolved, error)) {
+      nbdkit_error("shareblk: %s", error.c_str());
+      return nullptr;
+    }
+    const Json& backing = resolved.at("backing");
+    std::vector<backend::MappedSegment> segments;
+    for (const Json& s : backing.at("segments")) {
+      segments.push_back({s.at("path").get<std::string>(), s.at("offset").get<uint64_t>(),
+                          s.at("length").get<uint64_t>()});
+    }
+    std::error_code ec;
+    std::shared_ptr<backend::Volume> volume;
+    if (backing.at("mapped").get<bool>()) {
+      volume = backend::Volume::open_mapped(segments, ec);
+    } else if (segments.size() == 1 && segments[0].offset == 0) {
+      volume = backend::Volume::open(segments[0].path, ec);
+    } else {
+      ec = std::make_error_code(std::errc::invalid_argument);
+    }
+    if (!volume) {
+      nbdkit_error("shareblk: attachment %s: cannot open volume %s: %s",
+                   resolved.at("attachment_id").get<std::string>().c_str(),
+                   resolved.value("volume_id", "?").c_str(), ec.message().c_str());
+      return nullptr;
+    }
+    // nbdkit -r makes every attachment read-only; it never makes one writable.
+    const bool read_only = readonly != 0 || resolved.at("mode").get<std::string>() != "rw";
+    connection->io = backend::Handle(std::move(volume), read_only ? backend::AttachMode::ReadOnly
+                                                                  : backend::AttachMode::ReadWrite);
+    nbdkit_debug("shareblk: attachment %s of volume %s, %s",
+                 resolved.at("attachment_id").get<std::string>().c_str(),
+                 resolved.value("volume_id", "?").c_str(), read_only ? "read-only" : "read-write");
+    return connection.release();
+  } catch (const std::exception& e) {
+    // A reply without a field we need (Json's exceptions) or no memory: refuse this client.
+    nbdkit_error("shareblk: open: %s", e.what());
+    return nullptr;
+  }
+}
+
+void shareblk_close(void* handle) {
+  delete as_connection(handle);  // closing the control link ends the daemon's subscription
+}
+
+int64_t shareblk_get_size(void* handle) {
+  return static_cast<int64_t>(as_connection(handle)->io.volume()->size());
+}
+
+int shareblk_is_rotational(void* handle) {
+  return as_connection(handle)->io.volume()->rotational() ? 1 : 0;
+}
+
+int shareblk_can_write(void* handle) {
+  const backend::Handle& io = as_connection(handle)->io;
+  return !io.read_only() && io.volume()->writable() ? 1 : 0;
+}
+
+// The backend does each of these natively; FUA is RWF_DSYNC or a flush after the operation.
+int shareblk_can_flush(void* /*handle*/) {
+  return 1;
+}
+int shareblk_can_trim(void* /*handle*/) {
+  return 1;
+}
+int shareblk_can_zero(void* /*handle*/) {
+  return 1;
+}
+// Handle::write_zeroes with kFastZero fails with ENOTSUP, changing nothing, where only writing
+// zeroes would do.
+int shareblk_can_fast_zero(void* /*handle*/) {
+  return 1;
+}
+int shareblk_can_fua(void* /*handle*/) {
+  return NBDKIT_FUA_NATIVE;
+}
+// Every connection writes the same file or devices, and a flush is fdatasync of those, which
+// covers writes made through any descriptor of them: a flush on one connection makes every
+// connection's completed writes durable.
+int shareblk_can_multi_conn(void* /*handle*/) {
+  return 1;
+}
+int shareblk_can_extents(void* /*handle*/) {
+  return 1;
+}
+
+// --- Data ---
+
+// nbdkit's FUA flag as the backend's.
+uint32_t fua(uint32_t flags) {
+  return (flags & NBDKIT_FLAG_FUA) ? uint32_t{backend::kFua} : 0;
+}
+
+int shareblk_pread(void* handle, void* buf, uint32_t count, uint64_t offset, uint32_t /*flags*/) {
+  Connection& c = *as_connection(handle);
+  if (int err = c.control.check()) return fail(err, "read");
+  if (int err = c.io.read(buf, count, offset)) return fail(err, "read");
+  return 0;
+}
+
+int shareblk_pwrite(void* handle, const void* buf, uint32_t count, uint64_t offset,
+                    uint32_t flags) {
+  Connection& c = *as_connection(handle);
+  if (int err = c.control.check()) return fail(err, "write");
+  const uint32_t io_flags = fua(flags);
+  if (int err = c.io.write(buf, count, offset, io_flags)) return fail(err, "write");
+  return 0;
+}
+
+int shareblk_flush(void* handle, uint32_t /*flags*/) {
+  Connection& c = *as_connection(handle);
+  if (int err = c.control.check()) return fail(err, "flush");
+  if (int err = c.io.flush()) return fail(err, "flush");
+  return 0;
+}
+
+int shareblk_trim(void* handle, uint32_t count, uint64_t offset, uint32_t flags) {
+  Connection& c = *as_connection(handle);
+  if (int err = c.control.check()) return fail(err, "trim");
+  const uint32_t io_flags = fua(flags);
+  if (int err = c.io.trim(count, offset, io_flags)) return fail(err, "trim");
+  return 0;
+}
+
+int shareblk_zero(void* handle, uint32_t count, uint64_t offset, uint32_t flags) {
+  Connection& c = *as_connection(handle);
+  if (int err = c.control.check()) return fail(err, "write zeroes");
+  uint32_t io_flags = fua(flags);
+  if (!(flags & NBDKIT_FLAG_MAY_TRIM)) io_flags |= backend::kNoHole;  // NBD_CMD_FLAG_NO_HOLE
+  if (flags & NBDKIT_FLAG_FAST_ZERO) io_flags |= backend::kFastZero;
+  if (int err = c.io.write_zeroes(count, offset, io_flags)) return fail(err, "write zeroes");
+  return 0;
+}
+
+int shareblk_extents(void* handle, uint32_t count, uint64_t offset, uint32_t flags,
+                     nbdkit_extents* extents) {
+  Connection& c = *as_connection(handle);
+  if (int err = c.control.check()) return fail(err, "block status");
+  try {
+    std::vector<backend::Extent> found;
+    const size_t most = (flags & NBDKIT_FLAG_REQ_ONE) ? 1 : kMaxExtents;
+    if (int err = c.io.extents(offset, count, most, found)) return fail(err, "block status");
+    if (found.empty()) return fail(EINVAL, "block status");  // only for an empty range
+    uint64_t at = offset;
+    for (const backend::Extent& e : found) {
+      const uint32_t type = e.hole ? NBDKIT_EXTENT_HOLE | NBDKIT_EXTENT_ZERO : 0;
+      if (nbdkit_add_extent(extents, at, e.length, type) == -1) return -1;
+      at += e.length;
+    }
+    return 0;
+  } catch (const std::bad_alloc&) {
+    return fail(ENOMEM, "block status");
+  }
+}
+
+nbdkit_plugin plugin = [] {
+  nbdkit_plugin p{};
+  p.name = "shareblk";
+  p.longname = "shareblk attachments";
+  p.version = SHAREBLK_VERSION;
+  p.description = "Serves the live attachments of a shareblkd daemon under their export names";
+  p.config = shareblk_config;
+  p.config_complete = shareblk_config_complete;
+  p.config_help = "control=<SOCKET>  (required) shareblkd's control socket";
+  p.magic_config_key = "control";
+  p.open = shareblk_open;
+  p.close = shareblk_close;
+  p.get_size = shareblk_get_size;
+  p.is_rotational = shareblk_is_rotational;
+  p.can_write = shareblk_can_write;
+  p.can_flush = shareblk_can_flush;
+  p.can_trim = shareblk_can_trim;
+  p.can_zero = shareblk_can_zero;
+  p.can_fast_zero = shareblk_can_fast_zero;
+  p.can_fua = shareblk_can_fua;
+  p.can_multi_conn = shareblk_can_multi_conn;
+  p.can_extents = shareblk_can_extents;
+  p.pread = shareblk_pread;
+  p.pwrite = shareblk_pwrite;
+  p.flush = shareblk_flush;
+  p.trim = shareblk_trim;
+  p.zero = shareblk_zero;
+  p.extents = shareblk_extents;
+  return p;
+}();
+
+}  // namespace
+
+NBDKIT_REGISTER_PLUGIN(plugin)
