@@ -57,6 +57,15 @@ class SocketStream final : public ByteStream {
   int fd_;
 };
 
+// Room for several maximum-size replies in the socket: with the default (about 208 KiB on
+// Unix sockets) a 1 MiB read reply needs several round trips through the send queue.
+void enlarge_send_buffer(int fd) {
+  const int bytes = 4 << 20;
+  if (::setsockopt(fd, SOL_SOCKET, SO_SNDBUFFORCE, &bytes, sizeof bytes) != 0) {
+    ::setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &bytes, sizeof bytes);  // capped by wmem_max
+  }
+}
+
 void set_timeouts(int fd, std::chrono::milliseconds t) {
   timeval tv{static_cast<time_t>(t.count() / 1000),
              static_cast<suseconds_t>((t.count() % 1000) * 1000)};
@@ -225,6 +234,7 @@ void Server::Impl::handshake(int fd, bool tcp) {
   SocketStream stream(fd);
   std::optional<Session> session = negotiate(stream, *catalog, peer_of(fd));
   set_timeouts(fd, std::chrono::milliseconds(0));
+  enlarge_send_buffer(fd);
 
   std::lock_guard lock(mutex);
   handshake_fds.erase(fd);
