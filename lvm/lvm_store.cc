@@ -86,6 +86,17 @@ class LvmVolumeStore final : public VolumeStore {
 
   StoreError extend(const std::string& id, uint64_t size) override {
     std::lock_guard lock(mutex_);
+    // LVs are whole extents: the one a volume has may already hold the new size, and
+    // lvextend refuses a resize that changes nothing.
+    CommandResult current = lvm({"lvs", "--reportformat", "json", "--units", "b", "--nosuffix",
+                                 "-o", "lv_size", vg_ + "/" + lv(id)});
+    if (current.status != 0) return classify("lvs " + vg_ + "/" + lv(id), current);
+    try {
+      const Json report = Json::parse(current.out);
+      if (as_u64(report.at("report").at(0).at("lv").at(0).at("lv_size")) >= size) return {};
+    } catch (const std::exception& e) {
+      return failure(EIO, std::string("lvs: unexpected report: ") + e.what());
+    }
     CommandResult r = lvm({"lvextend", "-L", std::to_string(size) + "b", vg_ + "/" + lv(id)});
     if (r.status != 0) return classify("lvextend " + vg_ + "/" + lv(id), r);
     return {};

@@ -24,6 +24,7 @@
 #include <thread>
 #include <vector>
 
+#include "tests/lvm_fixture.h"
 #include "tests/support.h"
 
 namespace {
@@ -163,9 +164,23 @@ std::string nbd_read(nbd_handle* h, uint64_t offset, size_t length) {
   return data;
 }
 
-class ControlE2eTest : public ::testing::Test {
+// The attachment suite runs on both volume stores: the embedded file store and the LVM store
+// (real lvm2 on a loop device, without device-mapper).
+class ControlE2eTest : public ::testing::TestWithParam<std::string> {
  protected:
-  void SetUp() override { start(); }
+  virtual std::string store() const { return GetParam(); }
+
+  void SetUp() override {
+    if (store() == "lvm") {
+      std::string why;
+      SHAREBLK_REQUIRE(st::lvm_available(why), why);
+      const std::string vg = "sbc" + std::to_string(::getpid()) + "x" +
+                             std::to_string(reinterpret_cast<uintptr_t>(this) % 100000);
+      vg_ = std::make_unique<st::LoopVolumeGroup>(dir_, vg, 512 * kMiB);
+      ASSERT_TRUE(vg_->ok()) << vg_->why();
+    }
+    start();
+  }
   // A clean shutdown is part of every test: under the sanitizers a leak or a runtime error
   // shows up only here.
   void TearDown() override {
@@ -175,6 +190,8 @@ class ControlE2eTest : public ::testing::Test {
     EXPECT_EQ(status, 0) << log;
     EXPECT_EQ(log.find("Sanitizer"), std::string::npos) << log;
     EXPECT_EQ(log.find("runtime error"), std::string::npos) << log;
+    daemon_.reset();
+    vg_.reset();  // after the daemon: it may still hold the PV open
   }
 
   void start(const std::vector<std::string>& extra = {}) {
@@ -182,14 +199,24 @@ class ControlE2eTest : public ::testing::Test {
     std::vector<std::string> args{
         "--state-dir",  dir_.path().string(), "--listen-unix", nbd_socket(),
         "--listen-tcp", "127.0.0.1:0",        "--workers",     "2"};
+    if (vg_) {
+      args.insert(args.end(),
+                  {"--store", "lvm:" + vg_->vg(), "--lvm-config", vg_->daemon_config()});
+    }
     args.insert(args.end(), extra.begin(), extra.end());
     daemon_ = std::make_unique<st::Daemon>(args, control_socket());
   }
 
   std::string control_socket() const { return dir_ / "shareblk.sock"; }
   std::string nbd_socket() const { return dir_ / "nbd.sock"; }
-  std::string backing(const std::string& volume_id) const {
-    return dir_ / ("volumes/" + volume_id + ".img");
+  // The volume's bytes where its store keeps them: the file, or the PV behind the LV.
+  std::string stored_bytes(const std::string& volume_id, uint64_t offset, size_t length) const {
+    if (vg_) return vg_->read("volume-" + volume_id, offset, length);
+    return st::read_file(dir_ / ("volumes/" + volume_id + ".img"), offset, length);
+  }
+  uint64_t stored_size(const std::string& volume_id) const {
+    if (vg_) return vg_->size("volume-" + volume_id);
+    return fs::file_size(dir_ / ("volumes/" + volume_id + ".img"));
   }
 
   Json ok(const std::string& method, const Json& params) {
@@ -243,12 +270,13 @@ class ControlE2eTest : public ::testing::Test {
   }
 
   st::TempDir dir_;
+  std::unique_ptr<st::LoopVolumeGroup> vg_;
   std::unique_ptr<st::Daemon> daemon_;
 };
 
 // --- Data paths ---
 
-TEST_F(ControlE2eTest, DataWrittenThroughRwIsReadThroughRo) {
+TEST_P(ControlE2eTest, DataWrittenThroughRwIsReadThroughRo) {
   const std::string vol = create_volume("shared", 4 * kMiB, true)["id"];
   Json rw = attach(vol, "writer", "rw");
   Json ro = attach(vol, "reader", "ro");
@@ -275,10 +303,10 @@ TEST_F(ControlE2eTest, DataWrittenThroughRwIsReadThroughRo) {
   EXPECT_EQ(nbd_read(reader.get(), 3 * kMiB + 512, 4096), second);
   EXPECT_EQ(nbd_read(reader.get(), k64K, 4096), pattern('\0', 4096));
   // And the bytes are the volume's own.
-  EXPECT_EQ(st::read_file(backing(vol), 0, k64K), first);
+  EXPECT_EQ(stored_bytes(vol, 0, k64K), first);
 }
 
-TEST_F(ControlE2eTest, ReadOnlyAttachmentRefusesEveryWrite) {
+TEST_P(ControlE2eTest, ReadOnlyAttachmentRefusesEveryWrite) {
   const std::string vol = create_volume("guarded", 2 * kMiB, true)["id"];
   Json rw = attach(vol, "writer", "rw");
   Json ro = attach(vol, "reader", "ro");
@@ -289,7 +317,7 @@ TEST_F(ControlE2eTest, ReadOnlyAttachmentRefusesEveryWrite) {
     ASSERT_EQ(nbd_pwrite(writer.get(), data.data(), data.size(), 0, 0), 0) << nbd_get_error();
     ASSERT_EQ(nbd_flush(writer.get(), 0), 0) << nbd_get_error();
   }
-  const std::string before = st::read_file(backing(vol), 0, 2 * kMiB);
+  const std::string before = stored_bytes(vol, 0, 2 * kMiB);
   ASSERT_EQ(before, pattern('\x77', 2 * kMiB));
 
   NbdHandle reader = nbd_open_unchecked(uri_of(ro));
@@ -329,10 +357,10 @@ TEST_F(ControlE2eTest, ReadOnlyAttachmentRefusesEveryWrite) {
   EXPECT_EQ(nbd_flush(reader.get(), 0), 0) << nbd_get_error();
   EXPECT_EQ(nbd_read(reader.get(), 0, k64K), pattern('\x77', k64K));
   reader.reset();
-  EXPECT_EQ(st::read_file(backing(vol), 0, 2 * kMiB), before) << "a read-only write got through";
+  EXPECT_EQ(stored_bytes(vol, 0, 2 * kMiB), before) << "a read-only write got through";
 }
 
-TEST_F(ControlE2eTest, QemuIoReadsThroughReadOnlyAttachment) {
+TEST_P(ControlE2eTest, QemuIoReadsThroughReadOnlyAttachment) {
   SHAREBLK_REQUIRE(st::have_program("qemu-io"), "qemu-io is not installed");
   const std::string vol = create_volume("qemu", 2 * kMiB, true)["id"];
   Json rw = attach(vol, "writer", "rw");
@@ -355,15 +383,15 @@ TEST_F(ControlE2eTest, QemuIoReadsThroughReadOnlyAttachment) {
   EXPECT_NE(wrong.output.find("Pattern verification failed"), std::string::npos) << wrong.output;
 
   // qemu cannot write through the read-only attachment either.
-  const std::string before = st::read_file(backing(vol), 0, 2 * kMiB);
+  const std::string before = stored_bytes(vol, 0, 2 * kMiB);
   st::RunResult write = st::run({"qemu-io", "-f", "raw", uri_of(ro), "-c", "write -P 0x11 0 64k"});
   EXPECT_EQ(write.output.find("wrote 65536/65536"), std::string::npos) << write.output;
-  EXPECT_EQ(st::read_file(backing(vol), 0, 2 * kMiB), before);
+  EXPECT_EQ(stored_bytes(vol, 0, 2 * kMiB), before);
 }
 
 // --- Export names are capabilities ---
 
-TEST_F(ControlE2eTest, ExportNamesAreNeitherListedNorGuessable) {
+TEST_P(ControlE2eTest, ExportNamesAreNeitherListedNorGuessable) {
   const std::string vol = create_volume("secret", kMiB, true)["id"];
   Json unix_rw = attach(vol, "a", "rw");
   Json tcp_ro = attach(vol, "b", "ro", "tcp");
@@ -424,7 +452,7 @@ TEST_F(ControlE2eTest, ExportNamesAreNeitherListedNorGuessable) {
 
 // --- Detach ---
 
-TEST_F(ControlE2eTest, DeleteClosesLiveConnections) {
+TEST_P(ControlE2eTest, DeleteClosesLiveConnections) {
   const std::string vol = create_volume("detach", kMiB, false)["id"];
   Json a = attach(vol, "instance", "rw");
   const std::string id = a["id"];
@@ -449,7 +477,7 @@ TEST_F(ControlE2eTest, DeleteClosesLiveConnections) {
   int err = 0;
   EXPECT_FALSE(nbd_open(uri_of(a), &err));
   EXPECT_EQ(err, ENOENT);
-  EXPECT_EQ(st::read_file(backing(vol), 0, 4096), data);
+  EXPECT_EQ(stored_bytes(vol, 0, 4096), data);
 
   // volume_detach does the same for the volume's one attachment.
   Json again = attach(vol, "instance", "ro");
@@ -467,7 +495,7 @@ TEST_F(ControlE2eTest, DeleteClosesLiveConnections) {
 // Requests the server has taken are answered before the connection closes, and no other is
 // carried out. A client writes one chunk after another while the attachment is deleted: the
 // chunks acknowledged are on the volume, and the write that failed is not.
-TEST_F(ControlE2eTest, DeleteAnswersRequestsInFlight) {
+TEST_P(ControlE2eTest, DeleteAnswersRequestsInFlight) {
   constexpr size_t kChunk = 4096;
   constexpr size_t kChunks = 16 * kMiB / kChunk;
   const std::string vol = create_volume("inflight", kChunks * kChunk, false)["id"];
@@ -495,7 +523,7 @@ TEST_F(ControlE2eTest, DeleteAnswersRequestsInFlight) {
   ASSERT_LT(acknowledged, kChunks) << "the writer finished before the detach";
 
   const size_t done = acknowledged;
-  const std::string bytes = st::read_file(backing(vol), 0, (done + 1) * kChunk);
+  const std::string bytes = stored_bytes(vol, 0, (done + 1) * kChunk);
   for (size_t i = 0; i < done; ++i) {
     ASSERT_EQ(bytes.substr(i * kChunk, kChunk), chunk(i)) << "acknowledged write " << i;
   }
@@ -504,7 +532,7 @@ TEST_F(ControlE2eTest, DeleteAnswersRequestsInFlight) {
   RecordProperty("acknowledged", static_cast<int>(done));
 }
 
-TEST_F(ControlE2eTest, ExtendIsSeenByNewConnections) {
+TEST_P(ControlE2eTest, ExtendIsSeenByNewConnections) {
   const std::string vol = create_volume("grow", kMiB, false)["id"];
   Json a = attach(vol, "instance", "rw");
   NbdHandle before = nbd_open(uri_of(a));
@@ -514,7 +542,7 @@ TEST_F(ControlE2eTest, ExtendIsSeenByNewConnections) {
   Json grown = ok("volume_extend", {{"volume_id", vol}, {"size", "2M"}});
   EXPECT_EQ(grown["size"], 2 * kMiB);
   EXPECT_EQ(grown["attachments"][0]["connection_info"]["data"]["size"], 2 * kMiB);
-  EXPECT_EQ(fs::file_size(backing(vol)), 2 * kMiB);
+  EXPECT_GE(stored_size(vol), 2 * kMiB);  // an LV is whole extents
 
   NbdHandle after = nbd_open(uri_of(a));
   ASSERT_TRUE(after) << nbd_get_error();
@@ -523,11 +551,11 @@ TEST_F(ControlE2eTest, ExtendIsSeenByNewConnections) {
   ASSERT_EQ(nbd_pwrite(after.get(), data.data(), data.size(), kMiB + kMiB / 2, 0), 0)
       << nbd_get_error();
   ASSERT_EQ(nbd_flush(after.get(), 0), 0);
-  EXPECT_EQ(st::read_file(backing(vol), kMiB + kMiB / 2, 4096), data);
+  EXPECT_EQ(stored_bytes(vol, kMiB + kMiB / 2, 4096), data);
   EXPECT_EQ(reason("volume_extend", {{"volume_id", vol}, {"size", "1M"}}), "invalid_params");
 }
 
-TEST_F(ControlE2eTest, SeveralConnectionsPerAttachment) {
+TEST_P(ControlE2eTest, SeveralConnectionsPerAttachment) {
   const std::string vol = create_volume("multiconn", kMiB, false)["id"];
   Json a = attach(vol, "instance", "rw");
   const std::string id = a["id"];
@@ -583,7 +611,7 @@ NbdHandle nbd_open_tcp_from(const std::string& uri, const std::string& source) {
   return h;
 }
 
-TEST_F(ControlE2eTest, TcpConnectorIpLimitsWhoConnects) {
+TEST_P(ControlE2eTest, TcpConnectorIpLimitsWhoConnects) {
   const std::string vol = create_volume("tcp", kMiB, true)["id"];
   Json local = attach(vol, "local", "rw", "tcp", "127.0.0.1");
   Json other = attach(vol, "other", "ro", "tcp", "127.0.0.2");
@@ -607,7 +635,7 @@ TEST_F(ControlE2eTest, TcpConnectorIpLimitsWhoConnects) {
 
 // The connector's address is compared as an address, not as text: the IPv4-mapped form of
 // 127.0.0.1 is 127.0.0.1.
-TEST_F(ControlE2eTest, TcpConnectorIpIsComparedAsAnAddress) {
+TEST_P(ControlE2eTest, TcpConnectorIpIsComparedAsAnAddress) {
   const std::string vol = create_volume("mapped", kMiB, true)["id"];
   Json mapped = attach(vol, "mapped", "rw", "tcp", "::ffff:127.0.0.1");
   NbdHandle h = nbd_open(uri_of(mapped));
@@ -618,7 +646,7 @@ TEST_F(ControlE2eTest, TcpConnectorIpIsComparedAsAnAddress) {
 
 // --- Restart ---
 
-TEST_F(ControlE2eTest, KillNineAndRestartKeepsEverything) {
+TEST_P(ControlE2eTest, KillNineAndRestartKeepsEverything) {
   const std::string shared = create_volume("shared", 2 * kMiB, true)["id"];
   const std::string single = create_volume("single", kMiB, false)["id"];
   const std::string spare = create_volume("spare", kMiB, false)["id"];
@@ -672,16 +700,18 @@ TEST_F(ControlE2eTest, KillNineAndRestartKeepsEverything) {
 
 // --- The daemon's configuration ---
 
-TEST_F(ControlE2eTest, ControlSocketIsGroupOnly) {
+TEST_P(ControlE2eTest, ControlSocketIsGroupOnly) {
   struct stat st {};
   ASSERT_EQ(::stat(control_socket().c_str(), &st), 0);
   EXPECT_TRUE(S_ISSOCK(st.st_mode));
   EXPECT_EQ(st.st_mode & 0777, 0660u);
   EXPECT_TRUE(fs::exists(dir_ / "shareblk.db"));
-  EXPECT_TRUE(fs::is_directory(dir_ / "volumes"));
+  if (store() == "file") {
+    EXPECT_TRUE(fs::is_directory(dir_ / "volumes"));
+  }
 }
 
-TEST_F(ControlE2eTest, PolicyOptionsAreEnforced) {
+TEST_P(ControlE2eTest, PolicyOptionsAreEnforced) {
   const std::string shared = create_volume("shared", kMiB, true)["id"];
   const std::string boot =
       ok("volume_create",
@@ -701,7 +731,7 @@ TEST_F(ControlE2eTest, PolicyOptionsAreEnforced) {
   create_volume("plain", kMiB, false);
 }
 
-TEST_F(ControlE2eTest, StopsCleanlyWithClientsConnected) {
+TEST_P(ControlE2eTest, StopsCleanlyWithClientsConnected) {
   const std::string vol = create_volume("busy", kMiB, true)["id"];
   Json rw = attach(vol, "writer", "rw");
   Json ro = attach(vol, "reader", "ro", "tcp");
@@ -718,7 +748,7 @@ TEST_F(ControlE2eTest, StopsCleanlyWithClientsConnected) {
 
 // --- Concurrency ---
 
-TEST_F(ControlE2eTest, ConcurrentCreatesYieldExactlyOneAttachment) {
+TEST_P(ControlE2eTest, ConcurrentCreatesYieldExactlyOneAttachment) {
   const std::string vol = create_volume("contended", kMiB, false)["id"];
   constexpr int kCallers = 50;
   std::vector<Json> replies(kCallers);
@@ -748,7 +778,7 @@ TEST_F(ControlE2eTest, ConcurrentCreatesYieldExactlyOneAttachment) {
 
 // --- JSON-RPC on the socket ---
 
-TEST_F(ControlE2eTest, MalformedRequestsLeaveTheConnectionUsable) {
+TEST_P(ControlE2eTest, MalformedRequestsLeaveTheConnectionUsable) {
   RpcConnection c(control_socket());
   auto expect_parse_error = [&](const std::string& what) {
     Json reply = c.read_reply();
@@ -820,8 +850,15 @@ TEST_F(ControlE2eTest, MalformedRequestsLeaveTheConnectionUsable) {
 
 // --- The CLI ---
 
+INSTANTIATE_TEST_SUITE_P(Stores, ControlE2eTest, ::testing::Values("file", "lvm"),
+                         [](const ::testing::TestParamInfo<std::string>& param) {
+                           return param.param;
+                         });
+
+// The CLI does not depend on the store: it runs on the file store only.
 class ControlCliTest : public ControlE2eTest {
  protected:
+  std::string store() const override { return "file"; }
   st::RunResult cli(std::vector<std::string> args, const std::string& socket = "") {
     std::vector<std::string> argv{SHAREBLK_CLI_PATH, "--socket",
                                   socket.empty() ? control_socket() : socket};

@@ -17,13 +17,6 @@ namespace {
 using Json = nlohmann::json;
 constexpr uint64_t kMiB = 1 << 20;
 
-// A physical range of a logical volume, as lvm2 reports it.
-struct PhysicalRange {
-  uint64_t logical;   // offset in the LV
-  uint64_t physical;  // offset on the PV
-  uint64_t length;
-};
-
 class LvmStore : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -63,43 +56,12 @@ class LvmStore : public ::testing::Test {
     return a["connection_info"]["data"]["uri"].get<std::string>();
   }
 
-  // Where lvm2 says volume `id`'s bytes are.
-  std::vector<PhysicalRange> ranges(const std::string& id) {
-    RunResult pv = vg_->lvm({"pvs", "--reportformat", "json", "--units", "b", "--nosuffix", "-o",
-                             "pe_start,vg_extent_size", vg_->device()});
-    RunResult lv =
-        vg_->lvm({"lvs", "--reportformat", "json", "--units", "b", "--nosuffix", "--segments", "-o",
-                  "seg_start,seg_size,seg_pe_ranges", vg_name_ + "/volume-" + id});
-    EXPECT_EQ(pv.status, 0) << pv.output;
-    EXPECT_EQ(lv.status, 0) << lv.output;
-    auto json_of = [](const std::string& out) { return Json::parse(out.substr(out.find('{'))); };
-    Json pvs = json_of(pv.output);
-    Json lvs = json_of(lv.output);
-    const uint64_t pe_start = std::stoull(pvs["report"][0]["pv"][0]["pe_start"].get<std::string>());
-    const uint64_t extent =
-        std::stoull(pvs["report"][0]["pv"][0]["vg_extent_size"].get<std::string>());
-    std::vector<PhysicalRange> out;
-    for (const Json& seg : lvs["report"][0]["seg"]) {
-      const std::string r = seg["seg_pe_ranges"].get<std::string>();
-      const uint64_t first = std::stoull(r.substr(r.rfind(':') + 1));
-      out.push_back({std::stoull(seg["seg_start"].get<std::string>()), pe_start + first * extent,
-                     std::stoull(seg["seg_size"].get<std::string>())});
-    }
-    return out;
+  std::vector<LoopVolumeGroup::Range> ranges(const std::string& id) {
+    return vg_->ranges("volume-" + id);
   }
-
-  // The PV's bytes behind the LV's [logical, logical+length).
-  std::string physical_bytes(const std::vector<PhysicalRange>& map, uint64_t logical,
-                             size_t length) {
-    std::string out;
-    for (const PhysicalRange& r : map) {
-      if (logical >= r.logical + r.length || out.size() == length) continue;
-      if (logical < r.logical) break;
-      const uint64_t n = std::min<uint64_t>(length - out.size(), r.logical + r.length - logical);
-      out += read_file(vg_->device(), r.physical + (logical - r.logical), n);
-      logical += n;
-    }
-    return out;
+  // The PV's bytes behind the LV's [logical, logical+length), as lvm2 maps them.
+  std::string physical_bytes(const std::string& id, uint64_t logical, size_t length) {
+    return vg_->read("volume-" + id, logical, length);
   }
 
   TempDir dir_;
@@ -133,7 +95,7 @@ TEST_F(LvmStore, WritesLandAtTheMappedOffsetsOfThePhysicalVolume) {
   const std::string data = pattern(8 * kMiB, 7);
   ASSERT_EQ(nbd_pwrite(rw.h, data.data(), data.size(), 0, 0), 0) << nbd_get_error();
   ASSERT_EQ(nbd_flush(rw.h, 0), 0);
-  EXPECT_TRUE(physical_bytes(ranges(id), 0, data.size()) == data);
+  EXPECT_TRUE(physical_bytes(id, 0, data.size()) == data);
 
   // A read-only attachment of the same volume sees it, and cannot change it.
   NbdHandle ro(attach(id, "reader", "ro"));
@@ -146,7 +108,7 @@ TEST_F(LvmStore, WritesLandAtTheMappedOffsetsOfThePhysicalVolume) {
   EXPECT_EQ(nbd_get_errno(), EPERM);
   EXPECT_EQ(nbd_zero(ro.h, kMiB, 0, 0), -1);
   EXPECT_EQ(nbd_get_errno(), EPERM);
-  EXPECT_TRUE(physical_bytes(ranges(id), 0, data.size()) == data);
+  EXPECT_TRUE(physical_bytes(id, 0, data.size()) == data);
 }
 
 TEST_F(LvmStore, ExtendedVolumeServesIoAcrossANonContiguousSeam) {
@@ -154,7 +116,7 @@ TEST_F(LvmStore, ExtendedVolumeServesIoAcrossANonContiguousSeam) {
   const std::string id = v["id"];
   create("neighbour", "4M");  // takes the extents right after the first volume's
   rpc_ok(socket(), "volume_extend", {{"volume_id", id}, {"size", "12M"}});
-  std::vector<PhysicalRange> map = ranges(id);
+  std::vector<LoopVolumeGroup::Range> map = ranges(id);
   ASSERT_GE(map.size(), 2u);
   ASSERT_NE(map[0].physical + map[0].length, map[1].physical) << "the seam should be a gap";
 
@@ -169,7 +131,7 @@ TEST_F(LvmStore, ExtendedVolumeServesIoAcrossANonContiguousSeam) {
   std::string back(data.size(), '\0');
   ASSERT_EQ(nbd_pread(rw.h, back.data(), back.size(), at, 0), 0);
   EXPECT_TRUE(back == data);
-  EXPECT_TRUE(physical_bytes(map, at, data.size()) == data);
+  EXPECT_TRUE(physical_bytes(id, at, data.size()) == data);
   // Nothing leaked into the neighbour's extents in the gap.
   EXPECT_EQ(read_file(vg_->device(), map[0].physical + map[0].length, 4096),
             std::string(4096, '\0'));
@@ -183,7 +145,7 @@ TEST_F(LvmStore, ExtendedVolumeServesIoAcrossANonContiguousSeam) {
   EXPECT_EQ(nbd_get_size(again.h), static_cast<int64_t>(16 * kMiB));
   std::string tail = pattern(4096, 9);
   ASSERT_EQ(nbd_pwrite(again.h, tail.data(), tail.size(), 16 * kMiB - 4096, 0), 0);
-  EXPECT_TRUE(physical_bytes(ranges(id), 16 * kMiB - 4096, 4096) == tail);
+  EXPECT_TRUE(physical_bytes(id, 16 * kMiB - 4096, 4096) == tail);
 }
 
 TEST_F(LvmStore, DeletedVolumeLeavesNoDataOnItsExtents) {
@@ -196,10 +158,12 @@ TEST_F(LvmStore, DeletedVolumeLeavesNoDataOnItsExtents) {
     ASSERT_EQ(nbd_pwrite(rw.h, data.data(), data.size(), 0, 0), 0);
     ASSERT_EQ(nbd_flush(rw.h, 0), 0);
   }
-  std::vector<PhysicalRange> map = ranges(id);
+  std::vector<LoopVolumeGroup::Range> map = ranges(id);
   rpc_ok(socket(), "volume_detach", {{"volume_id", id}});
   rpc_ok(socket(), "volume_delete", {{"volume_id", id}});
-  EXPECT_EQ(physical_bytes(map, 0, 8 * kMiB), std::string(8 * kMiB, '\0'));
+  for (const auto& r : map) {
+    EXPECT_EQ(read_file(vg_->device(), r.physical, r.length), std::string(r.length, '\0'));
+  }
   RunResult lvs = vg_->lvm({"lvs", "--noheadings", "-o", "lv_name", vg_name_});
   EXPECT_EQ(lvs.output.find("volume-" + id), std::string::npos) << lvs.output;
 

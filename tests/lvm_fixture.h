@@ -31,6 +31,17 @@ class LoopVolumeGroup {
   // Runs an lvm2 tool with this group's config: {"lvs", ...}.
   RunResult lvm(std::vector<std::string> argv) const;
 
+  // A logical volume's extents as lvm2 reports them: where each piece lives on the PV.
+  struct Range {
+    uint64_t logical;   // offset in the LV
+    uint64_t physical;  // offset on the PV
+    uint64_t length;
+  };
+  std::vector<Range> ranges(const std::string& lv) const;
+  // The LV's bytes [offset, offset+length), read from the PV where lvm2 says they are.
+  std::string read(const std::string& lv, uint64_t offset, size_t length) const;
+  uint64_t size(const std::string& lv) const;
+
  private:
   std::string vg_;
   std::string file_;
