@@ -297,6 +297,12 @@ void Service::forget_volume(const std::string& volume_id) {
   open_volumes_.erase(volume_id);
 }
 
+// The volume an attachment belongs to, looked up before taking that volume's lock.
+std::string Service::volume_of(const std::string& attachment_id) {
+  Database::Transaction tx(db_);
+  return find_attachment(tx, attachment_id).volume_id;
+}
+
 VolumeRow Service::find_volume(Database::Transaction& tx, const std::string& id) {
   auto v = tx.volume(id);
   if (!v) throw ApiError("not_found", "no volume " + id);
@@ -661,11 +667,7 @@ Json Service::attachment_update(const Json& p) {
   only_keys(p, {"attachment_id", "connector"});
   const std::string id = need_string(p, "attachment_id");
   if (!p.contains("connector")) invalid("missing parameter 'connector'");
-  std::string volume_id;
-  {
-    Database::Transaction tx(db_);
-    volume_id = find_attachment(tx, id).volume_id;
-  }
+  const std::string volume_id = volume_of(id);
   auto lock_holder = volume_lock(volume_id);
   std::lock_guard lock(*lock_holder);
   Database::Transaction tx(db_);
@@ -686,11 +688,7 @@ Json Service::attachment_update(const Json& p) {
 Json Service::attachment_complete(const Json& p) {
   only_keys(p, {"attachment_id"});
   const std::string id = need_string(p, "attachment_id");
-  std::string volume_id;
-  {
-    Database::Transaction tx(db_);
-    volume_id = find_attachment(tx, id).volume_id;
-  }
+  const std::string volume_id = volume_of(id);
   auto lock_holder = volume_lock(volume_id);
   std::lock_guard lock(*lock_holder);
   Database::Transaction tx(db_);
@@ -744,11 +742,7 @@ Json Service::detach(const std::string& volume_id, const std::string& attachment
 Json Service::attachment_delete(const Json& p) {
   only_keys(p, {"attachment_id"});
   const std::string id = need_string(p, "attachment_id");
-  std::string volume_id;
-  {
-    Database::Transaction tx(db_);
-    volume_id = find_attachment(tx, id).volume_id;
-  }
+  const std::string volume_id = volume_of(id);
   auto lock_holder = volume_lock(volume_id);
   std::lock_guard lock(*lock_holder);
   return detach(volume_id, id);

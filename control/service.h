@@ -64,6 +64,7 @@ class Service {
   void notify_revoked(const std::string& attachment_id);
   Json detach(const std::string& volume_id, const std::string& attachment_id);
   AttachmentRow find_attachment(Database::Transaction& tx, const std::string& id);
+  std::string volume_of(const std::string& attachment_id);
   VolumeRow find_volume(Database::Transaction& tx, const std::string& id);
 
   Json volume_json(Database::Transaction& tx, const VolumeRow& v);
