@@ -285,6 +285,7 @@ std::unique_ptr<LocalAttach> LocalAttach::mount(const std::string& mountpoint,
   fuse_args args = FUSE_ARGS_INIT(3, const_cast<char**>(argv));
   static const fuse_lowlevel_ops ops = make_ops();
   s.se = fuse_session_new(&args, &ops, sizeof ops, &s);
+  fuse_opt_free_args(&args);
   if (s.se == nullptr) {
     error = "fuse_session_new failed";
     return nullptr;
