@@ -154,7 +154,7 @@ int run(int argc, char** argv) {
   } else {
     namespace fs = std::filesystem;
     std::error_code ec;
-    const fs::path state = fs::absolute(vm["state-dir"].as<std::string>());
+    const fs::path state = fs::absolute(vm["state-dir"].as<std::string>()).lexically_normal();
     fs::create_directories(state, ec);
     if (ec) {
       std::cerr << "shareblkd: cannot create " << state << ": " << ec.message() << "\n";
@@ -166,7 +166,7 @@ int run(int argc, char** argv) {
       options.listen_unix.push_back((state / "nbd.sock").string());
       options.listen_tcp.push_back("127.0.0.1:10809");
     }
-    for (auto& path : options.listen_unix) path = fs::absolute(path).string();
+    for (auto& path : options.listen_unix) path = fs::absolute(path).lexically_normal().string();
     lvm::StoreError store_error;
     store = lvm::make_store(vm["store"].as<std::string>(), state.string(),
                             vm["lvm-config"].as<std::string>(), store_error);
