@@ -35,7 +35,8 @@ enum IoFlag : uint32_t {
 };
 
 struct OpenOptions {
-  // O_DIRECT unless the file system refuses it (tmpfs), in which case the page cache is used.
+  // O_DIRECT unless the file system refuses it or the file lives in memory (tmpfs, ramfs),
+  // in which case the page cache is used: there it is the storage itself.
   bool direct = true;
 };
 
@@ -66,6 +67,10 @@ class Volume {
   bool is_mapped() const { return mapped_; }
   bool is_direct() const { return direct_; }
   bool rotational() const { return rotational_; }
+  // A file on tmpfs or ramfs. io_uring cannot read or write these without blocking (shmem
+  // has no IOCB_NOWAIT), so it would hand every request to a worker thread; the engine copies
+  // their pages inline instead, which never waits for a device.
+  bool in_memory() const { return in_memory_; }
   // False when only a read-only descriptor could be opened.
   bool writable() const { return writable_; }
   // Offsets, lengths and buffer addresses that O_DIRECT accepts are multiples of this.
@@ -129,6 +134,7 @@ class Volume {
   bool mapped_ = false;
   bool direct_ = false;
   bool rotational_ = false;
+  bool in_memory_ = false;
   bool writable_ = true;
   uint32_t direct_align_ = 4096;
   std::atomic<uint64_t> size_{0};

@@ -2,6 +2,7 @@
 #include <fcntl.h>
 #include <liburing.h>
 #include <sys/socket.h>
+#include <sys/uio.h>
 
 #include <algorithm>
 #include <cerrno>
@@ -108,9 +109,20 @@ void Ring::start(IoRequest* r) {
     r->done(EIO);
     return;
   }
+  const auto length = static_cast<unsigned>(at.length);
+  if (v.in_memory() && r->stage_ == kMain && (r->op == Op::Read || r->op == Op::Write)) {
+    // See Volume::in_memory(): a copy here beats a hop to an io-wq thread and back (tmpfs
+    // 4 KiB reads: that hop cost about half of the server's CPU per request).
+    const iovec iov{data, length};
+    const auto pos = static_cast<off_t>(at.offset);
+    const ssize_t n = r->op == Op::Read
+                          ? ::preadv2(at.fd, &iov, 1, pos, 0)
+                          : ::pwritev2(at.fd, &iov, 1, pos, (r->flags & kFua) ? RWF_DSYNC : 0);
+    r->complete(n < 0 ? -errno : static_cast<int>(n));
+    return;
+  }
   io_uring_sqe* sqe = next_sqe();
   io_uring_sqe_set_data(sqe, static_cast<Completion*>(r));
-  const auto length = static_cast<unsigned>(at.length);
   if (sync) {
     io_uring_prep_fsync(sqe, at.fd, IORING_FSYNC_DATASYNC);
   } else if (r->stage_ == kZeroFill || r->op == Op::Write) {

@@ -2,8 +2,10 @@
 #include <fcntl.h>
 #include <linux/falloc.h>
 #include <linux/fs.h>
+#include <linux/magic.h>
 #include <sys/ioctl.h>
 #include <sys/stat.h>
+#include <sys/statfs.h>
 #include <sys/sysmacros.h>
 #include <unistd.h>
 
@@ -26,6 +28,13 @@ int open_fd(const std::string& path, int extra, bool& writable) {
     if (fd >= 0) writable = false;
   }
   return fd;
+}
+
+// tmpfs and ramfs: the page cache is the only copy of the bytes.
+bool in_memory_file_system(const std::string& path) {
+  struct statfs fs {};
+  if (::statfs(path.c_str(), &fs) != 0) return false;
+  return fs.f_type == TMPFS_MAGIC || fs.f_type == RAMFS_MAGIC;
 }
 
 bool read_rotational(dev_t rdev) {
@@ -68,8 +77,9 @@ std::shared_ptr<Volume> Volume::open(const std::string& path, std::error_code& e
                                      OpenOptions options) {
   std::shared_ptr<Volume> v(new Volume());
   v->path_ = path;
+  v->in_memory_ = in_memory_file_system(path);
   uint32_t index = 0;
-  if (int err = v->add_device(path, options.direct, index)) {
+  if (int err = v->add_device(path, options.direct && !v->in_memory_, index)) {
     ec.assign(err, std::generic_category());
     return nullptr;
   }
