@@ -155,6 +155,19 @@ bool serving(const AttachmentRow& a) {
   return a.attach_status == "attaching" || a.attach_status == "attached";
 }
 
+// One live attachment per instance and host: a second one is a caller's retry or mistake
+// (Cinder's attachment API has the same rule). `host` is the one `a` has or is about to get.
+void refuse_duplicate(const std::vector<AttachmentRow>& attachments, const AttachmentRow& a,
+                      const std::string& host) {
+  for (const auto& other : attachments) {
+    if (other.id != a.id && live(other) && other.instance_uuid == a.instance_uuid &&
+        other.attached_host == host) {
+      throw ApiError("duplicate_attachment",
+                     "instance " + a.instance_uuid + " already has attachment " + other.id);
+    }
+  }
+}
+
 std::string volume_status(const std::vector<AttachmentRow>& attachments) {
   // in-use > attaching > reserved > detaching > available (the aggregation order).
   for (const char* status : {"attached", "attaching", "reserved", "detaching"}) {
@@ -626,12 +639,7 @@ Json Service::attachment_create(const Json& p) {
   for (auto& other : tx.attachments(volume_id)) {
     if (live(other)) current.push_back(std::move(other));
   }
-  for (const auto& other : current) {
-    if (other.instance_uuid == a.instance_uuid && other.attached_host == a.attached_host) {
-      throw ApiError("duplicate_attachment",
-                     "instance " + a.instance_uuid + " already has attachment " + other.id);
-    }
-  }
+  refuse_duplicate(current, a, a.attached_host);
   if (!current.empty()) {
     if (!v.multiattach) {
       throw ApiError("not_multiattach", "volume " + volume_id + " is attached (" +
@@ -673,7 +681,15 @@ Json Service::attachment_update(const Json& p) {
   Database::Transaction tx(db_);
   AttachmentRow a = find_attachment(tx, id);
   VolumeRow v = find_volume(tx, volume_id);
-  connect(a, v, p["connector"]);
+  // A reservation without a host takes the connector's (see connect()): that host must not
+  // make it a duplicate, which attachment_create could not see yet.
+  const Json& connector = p["connector"];
+  const bool connectable = a.attach_status == "reserved" || a.attach_status == "attaching";
+  if (connectable && a.attached_host.empty() && connector.is_object() &&
+      connector.contains("host") && connector["host"].is_string()) {
+    refuse_duplicate(tx.attachments(volume_id), a, connector["host"].get<std::string>());
+  }
+  connect(a, v, connector);
   try {
     tx.update_attachment(a);
     tx.commit();

@@ -494,6 +494,23 @@ TEST_F(ControlPlaneTest, DuplicateAttachmentCountsTheConnectorHost) {
   EXPECT_EQ(ok("attachment_list", {{"volume_id", id}}).size(), 1u);
 }
 
+// A reservation without a host takes its connector's host at attachment_update: that must not
+// make it a second live attachment of the same instance on the same host.
+TEST_F(ControlPlaneTest, UpdateDoesNotMakeADuplicateThroughTheConnectorHost) {
+  const std::string id = create_volume("1M", /*multiattach=*/true)["id"];
+  attach(id, "instance-1", {{"connector", unix_connector("h1")}});
+  const std::string reserved = attach(id, "instance-1")["id"];
+  EXPECT_EQ(reason("attachment_update",
+                   {{"attachment_id", reserved}, {"connector", unix_connector("h1")}}),
+            "duplicate_attachment");
+  EXPECT_EQ(attach_status(reserved), "reserved");
+  // Through another host it is another attachment, as at create.
+  Json moved =
+      ok("attachment_update", {{"attachment_id", reserved}, {"connector", unix_connector("h2")}});
+  EXPECT_EQ(moved["attach_status"], "attaching");
+  EXPECT_EQ(moved["attached_host"], "h2");
+}
+
 TEST_F(ControlPlaneTest, VolumeDetachNeedsAnIdWithSeveralAttachments) {
   const std::string id = create_volume("1M", /*multiattach=*/true)["id"];
   EXPECT_EQ(reason("volume_detach", {{"volume_id", id}}), "invalid_state");  // nothing to detach
