@@ -11,8 +11,10 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <memory>
 
 #include "backend/backend.h"
 #include "backend/internal.h"
@@ -321,18 +323,49 @@ const char* zero_buffer() {
   return zeroes;
 }
 
-int Handle::read(void* buf, uint64_t length, uint64_t offset) const {
-  if (int err = admit(Op::Read, offset, length)) return err;
-  auto* p = static_cast<char*>(buf);
+namespace {
+int read_all(const Volume& v, char* p, uint64_t length, uint64_t offset) {
   uint64_t done = 0;
   while (done < length) {
-    Volume::Location at = volume_->locate(offset + done, length - done, p + done);
+    Volume::Location at = v.locate(offset + done, length - done, p + done);
     if (at.fd < 0) return EIO;
     ssize_t n = ::pread(at.fd, p + done, at.length, static_cast<off_t>(at.offset));
     if (n < 0 && errno == EINTR) continue;
     if (n < 0) return errno;
     if (n == 0) return EIO;  // the file shrank under us
     done += static_cast<uint64_t>(n);
+  }
+  return 0;
+}
+
+// O_DIRECT wants the memory aligned as well as the range. The synchronous callers pass the
+// buffers their library hands them (nbdkit's malloc, libfuse's request buffer), so an aligned
+// range in unaligned memory goes through this thread's aligned buffer: otherwise it would take
+// the buffered descriptor and leave the volume's bytes in this host's page cache.
+constexpr uint64_t kBounceSize = 1 << 20;
+
+char* bounce_for(const Volume& v, const void* buf, uint64_t length, uint64_t offset) {
+  const uint64_t mask = v.direct_alignment() - 1;
+  if (!v.is_direct() || ((offset | length) & mask) != 0 ||
+      (reinterpret_cast<uintptr_t>(buf) & mask) == 0) {
+    return nullptr;
+  }
+  thread_local std::unique_ptr<char, decltype(&std::free)> bounce(nullptr, &std::free);
+  if (!bounce) bounce.reset(static_cast<char*>(std::aligned_alloc(4096, kBounceSize)));
+  return bounce.get();  // nullptr when out of memory: then the page cache it is
+}
+}  // namespace
+
+int Handle::read(void* buf, uint64_t length, uint64_t offset) const {
+  if (int err = admit(Op::Read, offset, length)) return err;
+  auto* p = static_cast<char*>(buf);
+  char* bounce = bounce_for(*volume_, buf, length, offset);
+  if (bounce == nullptr) return read_all(*volume_, p, length, offset);
+  for (uint64_t done = 0; done < length;) {
+    const uint64_t n = std::min(length - done, kBounceSize);
+    if (int err = read_all(*volume_, bounce, n, offset + done)) return err;
+    std::memcpy(p + done, bounce, n);
+    done += n;
   }
   return 0;
 }
@@ -379,8 +412,17 @@ int write_zero_bytes(const Volume& v, uint64_t length, uint64_t offset) {
 
 int Handle::write(const void* buf, uint64_t length, uint64_t offset, uint32_t flags) const {
   if (int err = admit(Op::Write, offset, length)) return err;
-  return write_all(*volume_, static_cast<const char*>(buf), length, offset,
-                   (flags & kFua) ? RWF_DSYNC : 0);
+  const auto* p = static_cast<const char*>(buf);
+  const int rwflags = (flags & kFua) ? RWF_DSYNC : 0;
+  char* bounce = bounce_for(*volume_, buf, length, offset);
+  if (bounce == nullptr) return write_all(*volume_, p, length, offset, rwflags);
+  for (uint64_t done = 0; done < length;) {
+    const uint64_t n = std::min(length - done, kBounceSize);
+    std::memcpy(bounce, p + done, n);
+    if (int err = write_all(*volume_, bounce, n, offset + done, rwflags)) return err;
+    done += n;
+  }
+  return 0;
 }
 
 int Handle::flush() const {
