@@ -1,5 +1,8 @@
 // A one-file FUSE file system over libfuse3's low-level API.
-#define FUSE_USE_VERSION 35
+// 3.12: the loop configuration API below (fuse_loop_cfg_*). Under an older version
+// fuse_session_loop_mt reads the configuration as the old two-field struct, and took garbage
+// for its idle-thread limit: a new thread per request.
+#define FUSE_USE_VERSION 312
 #include "fuse/local_attach.h"
 
 #include <fcntl.h>
@@ -24,6 +27,7 @@ namespace {
 constexpr fuse_ino_t kDisk = 2;
 constexpr char kDiskName[] = "disk";
 constexpr size_t kMaxIo = 1 << 20;
+constexpr unsigned kLoopThreads = 8;  // requests served at once per mount
 
 // The mountpoints in /proc/self/mountinfo whose file system type is ours.
 bool is_our_mount(const std::string& mountpoint) {
@@ -298,7 +302,9 @@ std::unique_ptr<LocalAttach> LocalAttach::mount(const std::string& mountpoint,
   }
   s.loop = std::thread([&s] {
     fuse_loop_config* config = fuse_loop_cfg_create();
-    fuse_loop_cfg_set_max_threads(config, 8);
+    // Threads that go idle stay for the next request instead of ending (thread churn).
+    fuse_loop_cfg_set_max_threads(config, kLoopThreads);
+    fuse_loop_cfg_set_idle_threads(config, kLoopThreads);
     fuse_session_loop_mt(s.se, config);
     fuse_loop_cfg_destroy(config);
   });
@@ -315,7 +321,9 @@ bool LocalAttach::unmount() {
     lazy = true;  // busy: a loop device or an open file still holds it
     ::umount2(mountpoint_.c_str(), MNT_DETACH);
   }
-  if (s.dev != 0) abort_connection(s.dev);
+  // A clean unmount ended the connection with the superblock; only a lazily detached
+  // mount can still carry requests (from a loop device) and needs the abort.
+  if (lazy && s.dev != 0) abort_connection(s.dev);
   fuse_session_exit(s.se);
   if (s.loop.joinable()) s.loop.join();
   fuse_session_destroy(s.se);

@@ -6,8 +6,17 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <spdlog/sinks/base_sink.h>
+#include <spdlog/spdlog.h>
+
+#include <atomic>
+#include <chrono>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
+#include <mutex>
+#include <set>
+#include <thread>
 
 #include "backend/backend.h"
 #include "fuse/local_attach.h"
@@ -191,6 +200,72 @@ TEST_F(FuseAttach, UnmountWhileALoopDeviceHoldsItDetachesLazilyAndStopsIo) {
     ::close(dev);
   }
   EXPECT_EQ(read_file(dir_ / "volume.img", 0, 4096), before);
+}
+
+// Thread ids of this process.
+std::set<std::string> thread_ids() {
+  std::set<std::string> ids;
+  for (const auto& task : std::filesystem::directory_iterator("/proc/self/task")) {
+    ids.insert(task.path().filename().string());
+  }
+  return ids;
+}
+
+TEST_F(FuseAttach, TheLoopKeepsItsThreadsUnderLoad) {
+  // A thread made and torn down per request cost 10-20x the listener's CPU per 4 KiB read.
+  auto rw = attach("rw", backend::AttachMode::ReadWrite);
+  ASSERT_TRUE(rw);
+  std::atomic<bool> stop{false};
+  std::vector<std::thread> readers;
+  for (int t = 0; t < 4; ++t) {
+    readers.emplace_back([&, t] {
+      int fd = ::open(rw->device_path().c_str(), O_RDONLY);
+      if (fd < 0) return;
+      char block[4096];
+      for (uint64_t i = 0; !stop; ++i) {
+        if (::pread(fd, block, sizeof block, static_cast<off_t>(((i * 4 + t) % 1024) * 4096)) < 0) {
+          break;
+        }
+      }
+      ::close(fd);
+    });
+  }
+  std::set<std::string> seen;
+  const auto end = std::chrono::steady_clock::now() + std::chrono::milliseconds(500);
+  while (std::chrono::steady_clock::now() < end) {
+    std::set<std::string> now = thread_ids();
+    seen.insert(now.begin(), now.end());
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }
+  stop = true;
+  for (auto& t : readers) t.join();
+  // This thread, 4 readers, the session's loop threads (at most 8 plus the one that started
+  // them), and a little slack for the test runner's own.
+  EXPECT_LE(seen.size(), 20u) << "the FUSE loop is creating a thread per request: " << seen.size()
+                              << " threads";
+}
+
+// A log sink that keeps error messages.
+class ErrorLog : public spdlog::sinks::base_sink<std::mutex> {
+ public:
+  std::vector<std::string> lines;
+
+ protected:
+  void sink_it_(const spdlog::details::log_msg& msg) override {
+    if (msg.level >= spdlog::level::err) lines.emplace_back(msg.payload.begin(), msg.payload.end());
+  }
+  void flush_() override {}
+};
+
+TEST_F(FuseAttach, ACleanUnmountLogsNoError) {
+  auto sink = std::make_shared<ErrorLog>();
+  auto previous = spdlog::default_logger();
+  spdlog::set_default_logger(std::make_shared<spdlog::logger>("test", sink));
+  auto rw = attach("rw", backend::AttachMode::ReadWrite);
+  ASSERT_TRUE(rw);
+  EXPECT_FALSE(rw->unmount());
+  spdlog::set_default_logger(previous);
+  EXPECT_TRUE(sink->lines.empty()) << sink->lines.front();
 }
 
 // The same frontend driven through the attachment API of a running daemon.
