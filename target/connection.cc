@@ -145,23 +145,26 @@ void Connection::on_recv(int res) {
     maybe_close();
     return;
   }
-  if (payload_for_ != nullptr) {
-    payload_got_ += static_cast<uint32_t>(res);
-    if (payload_got_ == payload_for_->length) {
-      Request* r = payload_for_;
-      payload_for_ = nullptr;
-      dispatch(r);
+  {
+    Hold hold(*this);
+    if (payload_for_ != nullptr) {
+      payload_got_ += static_cast<uint32_t>(res);
+      if (payload_got_ == payload_for_->length) {
+        Request* r = payload_for_;
+        payload_for_ = nullptr;
+        dispatch(r);
+      }
+    } else {
+      rend_ += static_cast<size_t>(res);
     }
-  } else {
-    rend_ += static_cast<size_t>(res);
+    parse();
+    post_recv();
   }
-  parse();
-  post_recv();
   maybe_close();
 }
 
 void Connection::parse() {
-  parsing_ = true;
+  Hold hold(*this);
   while (reading_ && payload_for_ == nullptr) {
     if (discard_left_ > 0) {  // payload of a refused WRITE: read and dropped, keeps us in sync
       size_t n = std::min<uint64_t>(discard_left_, rend_ - rpos_);
@@ -176,7 +179,6 @@ void Connection::parse() {
     rpos_ += kRequestSize;
     if (!begin_request(h)) break;
   }
-  parsing_ = false;
 }
 
 // Starts one request whose header was just parsed. False ends parsing (DISC, bad magic).
@@ -467,7 +469,7 @@ void Connection::release(Request* r) {
 }
 
 void Connection::maybe_close() {
-  if (parsing_ || reading_ || recv_pending_ || send_pending_ || inflight_ > 0) return;
+  if (holds_ > 0 || reading_ || recv_pending_ || send_pending_ || inflight_ > 0) return;
   worker_.connection_finished(this);  // deletes this
 }
 

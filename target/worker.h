@@ -129,9 +129,19 @@ class Connection {
   RecvCompletion recv_done_;
   SendCompletion send_done_;
   bool recv_pending_ = false;
-  bool reading_ = true;   // false after EOF, NBD_CMD_DISC, a protocol error or drain()
-  bool broken_ = false;   // the socket failed: replies are dropped
-  bool parsing_ = false;  // inside parse(): the connection must not close under it
+  bool reading_ = true;  // false after EOF, NBD_CMD_DISC, a protocol error or drain()
+  bool broken_ = false;  // the socket failed: replies are dropped
+  // Handlers that go on using the connection after dispatching requests hold it open: a
+  // request may complete inside dispatch (refused at admission, or an in-memory volume), and
+  // its reply may be the last thing the connection waited for.
+  int holds_ = 0;
+  struct Hold {
+    explicit Hold(Connection& c) : conn(c) { ++conn.holds_; }
+    ~Hold() { --conn.holds_; }
+    Hold(const Hold&) = delete;
+    Hold& operator=(const Hold&) = delete;
+    Connection& conn;
+  };
 
   // Replies wait in a FIFO; one sendmsg at a time carries as many as fit.
   Request* sendq_head_ = nullptr;
