@@ -32,9 +32,12 @@ int open_fd(const std::string& path, int extra, bool& writable) {
   return fd;
 }
 
-// tmpfs and ramfs: the page cache is the only copy of the bytes.
-bool in_memory_file_system(const std::string& path) {
+// A regular file on tmpfs or ramfs: the page cache is the only copy of its bytes. Only a
+// regular file: a device node sits on devtmpfs, which statfs also reports as tmpfs.
+bool in_memory_file(const std::string& path) {
+  struct stat st {};
   struct statfs fs {};
+  if (::stat(path.c_str(), &st) != 0 || !S_ISREG(st.st_mode)) return false;
   if (::statfs(path.c_str(), &fs) != 0) return false;
   return fs.f_type == TMPFS_MAGIC || fs.f_type == RAMFS_MAGIC;
 }
@@ -79,7 +82,7 @@ std::shared_ptr<Volume> Volume::open(const std::string& path, std::error_code& e
                                      OpenOptions options) {
   std::shared_ptr<Volume> v(new Volume());
   v->path_ = path;
-  v->in_memory_ = in_memory_file_system(path);
+  v->in_memory_ = in_memory_file(path);
   uint32_t index = 0;
   if (int err = v->add_device(path, options.direct && !v->in_memory_, index)) {
     ec.assign(err, std::generic_category());
@@ -342,7 +345,9 @@ int read_all(const Volume& v, char* p, uint64_t length, uint64_t offset) {
 // buffers their library hands them (nbdkit's malloc, libfuse's request buffer), so an aligned
 // range in unaligned memory goes through this thread's aligned buffer: otherwise it would take
 // the buffered descriptor and leave the volume's bytes in this host's page cache.
-constexpr uint64_t kBounceSize = 1 << 20;
+// 256 KiB: a multiple of any direct-I/O alignment, and little memory for each of the many
+// threads nbdkit and libfuse run.
+constexpr uint64_t kBounceSize = 256 << 10;
 
 char* bounce_for(const Volume& v, const void* buf, uint64_t length, uint64_t offset) {
   const uint64_t mask = v.direct_alignment() - 1;
@@ -351,7 +356,12 @@ char* bounce_for(const Volume& v, const void* buf, uint64_t length, uint64_t off
     return nullptr;
   }
   thread_local std::unique_ptr<char, decltype(&std::free)> bounce(nullptr, &std::free);
-  if (!bounce) bounce.reset(static_cast<char*>(std::aligned_alloc(4096, kBounceSize)));
+  thread_local uint64_t bounce_align = 0;
+  const uint64_t align = std::max<uint64_t>(4096, v.direct_alignment());
+  if (!bounce || bounce_align < align) {
+    bounce.reset(static_cast<char*>(std::aligned_alloc(align, kBounceSize)));
+    bounce_align = bounce ? align : 0;
+  }
   return bounce.get();  // nullptr when out of memory: then the page cache it is
 }
 }  // namespace

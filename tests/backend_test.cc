@@ -178,6 +178,22 @@ TEST_F(BackendTest, OpenReportsTheFile) {
   EXPECT_EQ(align & (align - 1), 0u) << "alignment must be a power of two";
 }
 
+TEST_F(BackendTest, BlockDevicesAreNeverInMemory) {
+  // A device node lives on devtmpfs, whose statfs says tmpfs: that must not make a disk look
+  // like memory (no O_DIRECT, I/O inline on the worker).
+  SHAREBLK_REQUIRE(testing::is_root(), "losetup needs root");
+  testing::RunResult attached = testing::run({"losetup", "--find", "--show", path_});
+  SHAREBLK_REQUIRE(attached.status == 0, "losetup failed: " + attached.output);
+  const std::string device = attached.output.substr(0, attached.output.find('\n'));
+  std::error_code ec;
+  auto disk = Volume::open(device, ec);
+  testing::run({"losetup", "-d", device});
+  ASSERT_TRUE(disk) << ec.message();
+  EXPECT_TRUE(disk->is_block_device());
+  EXPECT_FALSE(disk->in_memory());
+  EXPECT_TRUE(disk->is_direct());
+}
+
 TEST_F(BackendTest, OpenFailures) {
   std::error_code ec;
   EXPECT_FALSE(Volume::open(dir_ / "missing", ec));
@@ -352,19 +368,19 @@ TEST_F(BackendTest, SyncAlignedRangesInUnalignedMemoryStayDirect) {
   SHAREBLK_REQUIRE(volume_->is_direct(), "the temp directory's file system has no O_DIRECT");
   ASSERT_EQ(::fdatasync(volume_->device_fd(0)), 0);  // dirty pages would stay cached
   ASSERT_EQ(::posix_fadvise(volume_->device_fd(0), 0, 0, POSIX_FADV_DONTNEED), 0);
-  ASSERT_EQ(cached_pages(path_, 0, 256 * 1024), 0u);
-  std::vector<char> memory(256 * 1024 + 64);
-  char* p = memory.data() + 3;  // never 4096-aligned
-  const std::string data = pattern(128 * 1024, 21);
+  ASSERT_EQ(cached_pages(path_, 0, 512 * 1024), 0u);
+  std::vector<char> memory(512 * 1024 + 64);
+  char* p = memory.data() + 3;                       // never 4096-aligned
+  const std::string data = pattern(320 * 1024, 21);  // more than one bounce
   std::memcpy(p, data.data(), data.size());
   ASSERT_EQ(rw_.write(p, data.size(), 64 * 1024, backend::kFua), 0);
   std::memset(p, 0, data.size());
   ASSERT_EQ(rw_.read(p, data.size(), 64 * 1024), 0);
   EXPECT_EQ(std::string(p, data.size()), data);
-  ASSERT_EQ(rw_.read(p, 256 * 1024, 0), 0);
+  ASSERT_EQ(rw_.read(p, 512 * 1024, 0), 0);
   EXPECT_EQ(std::string(p + 64 * 1024, data.size()), data);
   EXPECT_EQ(std::string(p, 4096), std::string(4096, '\xab'));
-  EXPECT_EQ(cached_pages(path_, 0, 256 * 1024), 0u) << "the bytes went through the page cache";
+  EXPECT_EQ(cached_pages(path_, 0, 512 * 1024), 0u) << "the bytes went through the page cache";
 }
 
 TEST_F(BackendTest, SyncDirectAndBufferedStayCoherent) {
