@@ -11,6 +11,7 @@
 #include <spdlog/spdlog.h>
 #include <sys/mount.h>
 #include <sys/stat.h>
+#include <sys/statfs.h>
 #include <sys/sysmacros.h>
 #include <unistd.h>
 
@@ -42,14 +43,24 @@ bool is_our_mount(const std::string& mountpoint) {
   return false;
 }
 
-// Aborting the connection fails every request still to come, even through a lazily detached
-// mount a loop device keeps alive: after detach, no byte moves. The control files live in
-// fusectl, which containers often leave unmounted.
+// Aborting the connection fails every request still to come, even through a mount that
+// outlives our unmount: a lazily detached one a loop device keeps alive, a bind mount, a copy
+// in another mount namespace. After detach, no byte moves. The control files live in fusectl,
+// which containers often leave unmounted.
 bool abort_connection(dev_t dev) {
   const std::string dir = "/sys/fs/fuse/connections";
-  const std::string file = dir + "/" + std::to_string(minor(dev)) + "/abort";
+  const std::string connection = dir + "/" + std::to_string(minor(dev));
+  const std::string file = connection + "/abort";
   if (::access(file.c_str(), W_OK) != 0) {
     ::mount("fusectl", dir.c_str(), "fusectl", 0, nullptr);
+  }
+  // fusectl's magic (fs/fuse/control.c). With fusectl there, a missing entry means the
+  // connection has already ended (the last mount went away): nothing left to abort.
+  constexpr long kFuseCtlMagic = 0x65735543;
+  struct statfs fs {};
+  if (::access(connection.c_str(), F_OK) != 0 && ::statfs(dir.c_str(), &fs) == 0 &&
+      fs.f_type == kFuseCtlMagic) {
+    return true;
   }
   std::ofstream abort(file);
   abort << "1";
@@ -321,9 +332,7 @@ bool LocalAttach::unmount() {
     lazy = true;  // busy: a loop device or an open file still holds it
     ::umount2(mountpoint_.c_str(), MNT_DETACH);
   }
-  // A clean unmount ended the connection with the superblock; only a lazily detached
-  // mount can still carry requests (from a loop device) and needs the abort.
-  if (lazy && s.dev != 0) abort_connection(s.dev);
+  if (s.dev != 0) abort_connection(s.dev);
   fuse_session_exit(s.se);
   if (s.loop.joinable()) s.loop.join();
   fuse_session_destroy(s.se);

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 #include <linux/falloc.h>
 #include <signal.h>
+#include <sys/mount.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -199,6 +200,27 @@ TEST_F(FuseAttach, UnmountWhileALoopDeviceHoldsItDetachesLazilyAndStopsIo) {
     std::free(block);
     ::close(dev);
   }
+  EXPECT_EQ(read_file(dir_ / "volume.img", 0, 4096), before);
+}
+
+TEST_F(FuseAttach, UnmountCutsOffABindMountOfTheSameFileSystem) {
+  // umount of our mountpoint succeeds while a bind mount keeps the file system: detach must
+  // still end the connection, or it would wait for a request and then serve it.
+  auto rw = attach("rw", backend::AttachMode::ReadWrite);
+  ASSERT_TRUE(rw);
+  ASSERT_EQ(::mkdir((dir_ / "bound").c_str(), 0755), 0);
+  ASSERT_EQ(::mount((dir_ / "rw").c_str(), (dir_ / "bound").c_str(), nullptr, MS_BIND, nullptr), 0)
+      << std::strerror(errno);
+  EXPECT_FALSE(rw->unmount());  // returns: the abort ended the loop
+  const std::string before = read_file(dir_ / "volume.img", 0, 4096);
+  int fd = ::open((dir_ / "bound/disk").c_str(), O_RDWR);
+  if (fd >= 0) {
+    char block[4096];
+    std::memset(block, 7, sizeof block);
+    EXPECT_LT(::pwrite(fd, block, sizeof block, 0), 0) << "no byte may move after detach";
+    ::close(fd);
+  }
+  ::umount2((dir_ / "bound").c_str(), MNT_DETACH);
   EXPECT_EQ(read_file(dir_ / "volume.img", 0, 4096), before);
 }
 
