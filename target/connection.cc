@@ -78,6 +78,7 @@ Connection::Connection(Worker& worker, int fd, Session session)
 }
 
 Connection::~Connection() {
+  if (flush_scheduled_) worker_.cancel_flush(this);
   ::close(fd_);
 }
 
@@ -398,6 +399,15 @@ void Connection::queue_reply(Request* r) {
 }
 
 void Connection::send_more() {
+  if (send_pending_ || sendq_head_ == nullptr || broken_ || flush_scheduled_) return;
+  // Replies wait for the end of the worker's batch of completions, then go out in one
+  // sendmsg straight from the thread; only a full socket makes it an io_uring operation.
+  flush_scheduled_ = true;
+  worker_.schedule_flush(this);
+}
+
+void Connection::flush() {
+  flush_scheduled_ = false;
   if (send_pending_ || sendq_head_ == nullptr || broken_) return;
   int n = 0;
   for (Request* r = sendq_head_; r != nullptr; r = r->next) {
@@ -408,8 +418,13 @@ void Connection::send_more() {
   }
   send_msg_.msg_iov = send_iov_;
   send_msg_.msg_iovlen = static_cast<size_t>(n);
-  worker_.ring().sendmsg(fd_, &send_msg_, &send_done_);
-  send_pending_ = true;
+  const ssize_t sent = ::sendmsg(fd_, &send_msg_, MSG_DONTWAIT | MSG_NOSIGNAL);
+  if (sent < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+    worker_.ring().sendmsg(fd_, &send_msg_, &send_done_);  // sent when there is room
+    send_pending_ = true;
+    return;
+  }
+  on_sent(sent < 0 ? -errno : static_cast<int>(sent));  // may delete this
 }
 
 void Connection::on_sent(int res) {

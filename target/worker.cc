@@ -95,6 +95,15 @@ void Worker::run(std::promise<std::error_code>* started) {
       spdlog::error("worker: io_uring wait failed: {}", std::strerror(-rc));
       break;
     }
+    // One sendmsg per connection for all the replies this batch produced. A flush can
+    // schedule another (a short send), and a connection can close and leave the list.
+    while (!flushes_.empty()) {
+      flushing_.swap(flushes_);
+      for (size_t i = 0; i < flushing_.size(); ++i) {
+        if (Connection* c = flushing_[i]) c->flush();
+      }
+      flushing_.clear();
+    }
   }
   ring_.reset();  // cancels the eventfd read
 }
@@ -172,6 +181,11 @@ void Worker::put_request(Request* r) {
   } else {
     delete r;
   }
+}
+
+void Worker::cancel_flush(Connection* c) {
+  std::erase(flushes_, c);
+  std::replace(flushing_.begin(), flushing_.end(), c, static_cast<Connection*>(nullptr));
 }
 
 void Worker::connection_finished(Connection* c) {

@@ -90,6 +90,8 @@ class Connection {
   void finish_request(Request* r, int err);
   void on_recv(int res);
   void on_sent(int res);
+  // Sends the queued replies; called by the worker after a batch of completions.
+  void flush();
 
  private:
   struct RecvCompletion final : backend::Completion {
@@ -147,6 +149,7 @@ class Connection {
   Request* sendq_head_ = nullptr;
   Request* sendq_tail_ = nullptr;
   bool send_pending_ = false;
+  bool flush_scheduled_ = false;
   static constexpr int kMaxSendIov = 256;
   iovec send_iov_[kMaxSendIov];
   msghdr send_msg_{};
@@ -192,6 +195,9 @@ class Worker {
   Request* get_request();
   void put_request(Request* r);
   void connection_finished(Connection* c);
+  // Connections with replies to send once the current batch of completions is handled.
+  void schedule_flush(Connection* c) { flushes_.push_back(c); }
+  void cancel_flush(Connection* c);
 
  private:
   struct Wakeup final : backend::Completion {
@@ -212,6 +218,8 @@ class Worker {
   std::vector<std::function<void(Worker&)>> tasks_;
   std::unordered_set<Connection*> connections_;
   std::vector<Request*> free_requests_;
+  std::vector<Connection*> flushes_;
+  std::vector<Connection*> flushing_;
   bool stopping_ = false;
 };
 
