@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "tests/lvm_fixture.h"
+#include "tests/nbd_checks.h"
 #include "tests/support.h"
 
 namespace {
@@ -323,32 +324,15 @@ TEST_P(ControlE2eTest, ReadOnlyAttachmentRefusesEveryWrite) {
   NbdHandle reader = nbd_open_unchecked(uri_of(ro));
   ASSERT_TRUE(reader) << nbd_get_error();
   ASSERT_EQ(nbd_is_read_only(reader.get()), 1);
-  const std::string junk = pattern('\x01', k64K);
-  struct Range {
-    uint64_t offset;
-    uint64_t length;
-  };
-  const Range ranges[] = {
-      {0, 512},        {0, k64K}, {kMiB + 4096, 4096}, {123, 1000}, {2 * kMiB - 512, 512},
-      {2 * kMiB, 512}, {0, 0}};
-  for (const Range& r : ranges) {
-    for (uint32_t flags : {0u, LIBNBD_CMD_FLAG_FUA}) {
-      EXPECT_EQ(nbd_pwrite(reader.get(), junk.data(), r.length, r.offset, flags), -1);
-      EXPECT_EQ(nbd_get_errno(), EPERM) << "write " << r.offset << "+" << r.length << " flags "
-                                        << flags << ": " << nbd_get_error();
-      EXPECT_EQ(nbd_trim(reader.get(), r.length, r.offset, flags), -1);
-      EXPECT_EQ(nbd_get_errno(), EPERM) << "trim " << r.offset << "+" << r.length << " flags "
-                                        << flags << ": " << nbd_get_error();
-    }
-    for (uint32_t flags :
-         {0u, LIBNBD_CMD_FLAG_FUA, LIBNBD_CMD_FLAG_NO_HOLE, LIBNBD_CMD_FLAG_FAST_ZERO,
-          LIBNBD_CMD_FLAG_FUA | LIBNBD_CMD_FLAG_NO_HOLE}) {
-      EXPECT_EQ(nbd_zero(reader.get(), r.length, r.offset, flags), -1);
-      EXPECT_EQ(nbd_get_errno(), EPERM) << "zero " << r.offset << "+" << r.length << " flags "
-                                        << flags << ": " << nbd_get_error();
-    }
-  }
+  st::expect_every_write_refused(reader.get(), {{0, 512},
+                                                {0, k64K},
+                                                {kMiB + 4096, 4096},
+                                                {123, 1000},
+                                                {2 * kMiB - 512, 512},
+                                                {2 * kMiB, 512},
+                                                {0, 0}});
   // Flags no server accepts on these commands are refused too (the server may say EINVAL).
+  const std::string junk = pattern('\x01', 4096);
   EXPECT_EQ(nbd_pwrite(reader.get(), junk.data(), 4096, 0, LIBNBD_CMD_FLAG_DF), -1);
   EXPECT_EQ(nbd_trim(reader.get(), 4096, 0, LIBNBD_CMD_FLAG_NO_HOLE), -1);
   EXPECT_EQ(nbd_zero(reader.get(), 4096, 0, LIBNBD_CMD_FLAG_REQ_ONE), -1);

@@ -32,6 +32,7 @@
 #include <vector>
 
 #include "tests/control_client.h"
+#include "tests/nbd_checks.h"
 #include "tests/support.h"
 
 namespace {
@@ -488,31 +489,12 @@ TEST_F(NbdkitE2eTest, ReadOnlyAttachmentRefusesEveryWrite) {
   NbdHandle reader = nbd_open(kit_uri(export_of(ro)), nullptr, /*strict=*/false);
   ASSERT_TRUE(reader) << nbd_get_error();
   ASSERT_EQ(nbd_is_read_only(reader.get()), 1);
-  const std::string junk = pattern('\x01', k64K);
-  struct Range {
-    uint64_t offset;
-    uint64_t length;
-  };
-  const Range ranges[] = {
-      {0, 512},       {0, k64K}, {kMiB + 4096, 4096}, {123, 1000}, {2 * kMiB - 512, 512},
-      {2 * kMiB, 512}};
-  for (const Range& r : ranges) {
-    for (uint32_t flags : {0u, LIBNBD_CMD_FLAG_FUA}) {
-      EXPECT_EQ(nbd_pwrite(reader.get(), junk.data(), r.length, r.offset, flags), -1);
-      EXPECT_EQ(nbd_get_errno(), EPERM) << "write " << r.offset << "+" << r.length << " flags "
-                                        << flags << ": " << nbd_get_error();
-      EXPECT_EQ(nbd_trim(reader.get(), r.length, r.offset, flags), -1);
-      EXPECT_EQ(nbd_get_errno(), EPERM) << "trim " << r.offset << "+" << r.length << " flags "
-                                        << flags << ": " << nbd_get_error();
-    }
-    for (uint32_t flags :
-         {0u, LIBNBD_CMD_FLAG_FUA, LIBNBD_CMD_FLAG_NO_HOLE, LIBNBD_CMD_FLAG_FAST_ZERO,
-          LIBNBD_CMD_FLAG_FUA | LIBNBD_CMD_FLAG_NO_HOLE}) {
-      EXPECT_EQ(nbd_zero(reader.get(), r.length, r.offset, flags), -1);
-      EXPECT_EQ(nbd_get_errno(), EPERM) << "zero " << r.offset << "+" << r.length << " flags "
-                                        << flags << ": " << nbd_get_error();
-    }
-  }
+  st::expect_every_write_refused(reader.get(), {{0, 512},
+                                                {0, k64K},
+                                                {kMiB + 4096, 4096},
+                                                {123, 1000},
+                                                {2 * kMiB - 512, 512},
+                                                {2 * kMiB, 512}});
   // The connection survives the refusals and still reads; flush is harmless.
   EXPECT_EQ(nbd_flush(reader.get(), 0), 0) << nbd_get_error();
   EXPECT_EQ(nbd_read(reader.get(), 0, k64K), pattern('\x77', k64K));
