@@ -25,7 +25,7 @@
 #include <vector>
 
 #include "tests/lvm_fixture.h"
-#include "tests/nbd_checks.h"
+#include "tests/nbd_client.h"
 #include "tests/support.h"
 
 namespace {
@@ -124,45 +124,19 @@ std::string reason_of(const Json& response) {
   return response["error"]["data"].value("reason", "(no reason)");
 }
 
-using NbdHandle = std::unique_ptr<nbd_handle, decltype(&nbd_close)>;
+using st::nbd_read;
+using st::NbdHandle;
+using st::new_handle;
+using st::pattern;
 
-NbdHandle new_handle() {
-  NbdHandle h(nbd_create(), &nbd_close);
-  if (!h) throw std::runtime_error(std::string("nbd_create: ") + nbd_get_error());
-  return h;
-}
-
-// Connects to `uri`; null when the server refuses, with libnbd's errno in *errnum: ENOENT
-// when the server answered NBD_REP_ERR_UNKNOWN.
 NbdHandle nbd_open(const std::string& uri, int* errnum = nullptr) {
-  NbdHandle h = new_handle();
-  if (nbd_connect_uri(h.get(), uri.c_str()) == -1) {
-    if (errnum) *errnum = nbd_get_errno();
-    return NbdHandle(nullptr, &nbd_close);
-  }
-  return h;
+  return st::nbd_connect(uri, errnum);
 }
 
-// Connects to `uri` with libnbd's own checks off, so that every request reaches the server
-// whatever the export advertises.
+// With libnbd's own checks off, so that every request reaches the server whatever the export
+// advertises.
 NbdHandle nbd_open_unchecked(const std::string& uri) {
-  NbdHandle h = new_handle();
-  nbd_set_strict_mode(h.get(), 0);
-  if (nbd_connect_uri(h.get(), uri.c_str()) == -1) return NbdHandle(nullptr, &nbd_close);
-  return h;
-}
-
-std::string pattern(char byte, size_t length) {
-  return std::string(length, byte);
-}
-
-std::string nbd_read(nbd_handle* h, uint64_t offset, size_t length) {
-  std::string data(length, '\0');
-  if (nbd_pread(h, data.data(), length, offset, 0) == -1) {
-    ADD_FAILURE() << "nbd_pread: " << nbd_get_error();
-    return {};
-  }
-  return data;
+  return st::nbd_connect(uri, nullptr, {.strict = false});
 }
 
 // The attachment suite runs on both volume stores: the embedded file store and the LVM store
@@ -287,24 +261,12 @@ TEST_P(ControlE2eTest, DataWrittenThroughRwIsReadThroughRo) {
 
   NbdHandle writer = nbd_open(uri_of(rw));
   ASSERT_TRUE(writer) << nbd_get_error();
-  EXPECT_EQ(nbd_is_read_only(writer.get()), 0);
-  EXPECT_EQ(nbd_get_size(writer.get()), static_cast<int64_t>(4 * kMiB));
-  const std::string first = pattern('\xab', k64K);
-  const std::string second = pattern('\xcd', 4096);
-  ASSERT_EQ(nbd_pwrite(writer.get(), first.data(), first.size(), 0, 0), 0) << nbd_get_error();
-  ASSERT_EQ(nbd_pwrite(writer.get(), second.data(), second.size(), 3 * kMiB + 512, 0), 0)
-      << nbd_get_error();
-  ASSERT_EQ(nbd_flush(writer.get(), 0), 0) << nbd_get_error();
-
   NbdHandle reader = nbd_open(uri_of(ro));
   ASSERT_TRUE(reader) << nbd_get_error();
-  EXPECT_EQ(nbd_is_read_only(reader.get()), 1);
-  EXPECT_EQ(nbd_get_size(reader.get()), static_cast<int64_t>(4 * kMiB));
-  EXPECT_EQ(nbd_read(reader.get(), 0, k64K), first);
-  EXPECT_EQ(nbd_read(reader.get(), 3 * kMiB + 512, 4096), second);
-  EXPECT_EQ(nbd_read(reader.get(), k64K, 4096), pattern('\0', 4096));
+  st::expect_reader_sees_writer(writer.get(), reader.get());
+  if (::testing::Test::HasFatalFailure()) return;
   // And the bytes are the volume's own.
-  EXPECT_EQ(stored_bytes(vol, 0, k64K), first);
+  EXPECT_EQ(stored_bytes(vol, 0, k64K), pattern('\xab', k64K));
 }
 
 TEST_P(ControlE2eTest, ReadOnlyAttachmentRefusesEveryWrite) {

@@ -32,7 +32,7 @@
 #include <vector>
 
 #include "tests/control_client.h"
-#include "tests/nbd_checks.h"
+#include "tests/nbd_client.h"
 #include "tests/support.h"
 
 namespace {
@@ -45,10 +45,6 @@ using std::chrono::seconds;
 constexpr uint64_t kMiB = 1 << 20;
 constexpr size_t k64K = 64 * 1024;
 
-std::string pattern(char byte, size_t length) {
-  return std::string(length, byte);
-}
-
 std::string slurp(const std::string& path) {
   std::ifstream in(path);
   std::stringstream s;
@@ -58,36 +54,15 @@ std::string slurp(const std::string& path) {
 
 // --- libnbd ---
 
-using NbdHandle = std::unique_ptr<nbd_handle, decltype(&nbd_close)>;
+using st::nbd_read;
+using st::NbdHandle;
+using st::new_handle;
+using st::pattern;
 
-NbdHandle new_handle() {
-  NbdHandle h(nbd_create(), &nbd_close);
-  if (!h) throw std::runtime_error(std::string("nbd_create: ") + nbd_get_error());
-  return h;
-}
-
-// Connects to `uri` asking for base:allocation; null when the server refuses, with libnbd's
-// errno in *errnum.
-// `strict` false turns libnbd's own checks off, so every request reaches the server whatever
-// the export advertises.
+// Asking for base:allocation. `strict` false turns libnbd's own checks off, so every request
+// reaches the server whatever the export advertises.
 NbdHandle nbd_open(const std::string& uri, int* errnum = nullptr, bool strict = true) {
-  NbdHandle h = new_handle();
-  if (!strict) nbd_set_strict_mode(h.get(), 0);
-  nbd_add_meta_context(h.get(), LIBNBD_CONTEXT_BASE_ALLOCATION);
-  if (nbd_connect_uri(h.get(), uri.c_str()) == -1) {
-    if (errnum) *errnum = nbd_get_errno();
-    return NbdHandle(nullptr, &nbd_close);
-  }
-  return h;
-}
-
-std::string nbd_read(nbd_handle* h, uint64_t offset, size_t length) {
-  std::string data(length, '\0');
-  if (nbd_pread(h, data.data(), length, offset, 0) == -1) {
-    ADD_FAILURE() << "nbd_pread: " << nbd_get_error();
-    return {};
-  }
-  return data;
+  return st::nbd_connect(uri, errnum, {.strict = strict, .base_allocation = true});
 }
 
 // errno of one read that must fail (0 if it succeeded).
@@ -372,22 +347,12 @@ TEST_F(NbdkitE2eTest, DataWrittenThroughRwIsReadThroughRo) {
 
   NbdHandle writer = nbd_open(kit_uri(export_of(rw)));
   ASSERT_TRUE(writer) << nbd_get_error() << nbdkit_->log();
-  EXPECT_EQ(nbd_is_read_only(writer.get()), 0);
-  EXPECT_EQ(nbd_get_size(writer.get()), static_cast<int64_t>(4 * kMiB));
-  const std::string first = pattern('\xab', k64K);
-  const std::string second = pattern('\xcd', 4096);
-  ASSERT_EQ(nbd_pwrite(writer.get(), first.data(), first.size(), 0, 0), 0) << nbd_get_error();
-  ASSERT_EQ(nbd_pwrite(writer.get(), second.data(), second.size(), 3 * kMiB + 512, 0), 0)
-      << nbd_get_error();
-  ASSERT_EQ(nbd_flush(writer.get(), 0), 0) << nbd_get_error();
-
   NbdHandle reader = nbd_open(kit_uri(export_of(ro)));
   ASSERT_TRUE(reader) << nbd_get_error();
-  EXPECT_EQ(nbd_is_read_only(reader.get()), 1);
-  EXPECT_EQ(nbd_get_size(reader.get()), static_cast<int64_t>(4 * kMiB));
-  EXPECT_EQ(nbd_read(reader.get(), 0, k64K), first);
-  EXPECT_EQ(nbd_read(reader.get(), 3 * kMiB + 512, 4096), second);
-  EXPECT_EQ(nbd_read(reader.get(), k64K, 4096), pattern('\0', 4096));
+  st::expect_reader_sees_writer(writer.get(), reader.get());
+  if (::testing::Test::HasFatalFailure()) return;
+  const std::string first = pattern('\xab', k64K);
+  const std::string second = pattern('\xcd', 4096);
   // The bytes are the volume's own, and shareblkd's listener serves the same ones: both
   // frontends go through one backend.
   EXPECT_EQ(st::read_file(backing(vol), 0, k64K), first);
