@@ -204,6 +204,7 @@ class IoRequest : public Completion {
   uint64_t offset = 0;
   uint32_t length = 0;
   char* buf = nullptr;  // Read, Write: `length` bytes; best aligned to 4096 for O_DIRECT
+  int buf_index = -1;   // `buf` lies in this Ring::register_buffer() buffer, or -1
 
   // Called once with 0 or a positive errno.
   virtual void done(int err) = 0;
@@ -234,6 +235,14 @@ class Ring {
   // (or at once, with the admission error). `handle` must outlive the request.
   void submit(const Handle& handle, IoRequest* request);
 
+  // Registers [buf, buf+length) with the kernel, so that reads and writes into it skip pinning
+  // its pages on every request (with O_DIRECT, 4 KiB requests spent ~4% of the server's CPU
+  // there). Returns the index to put in IoRequest::buf_index, or -1 when the ring's table is
+  // full or the kernel refuses (locked-memory limit, old kernel); the buffer then works as
+  // before. The memory must stay allocated until unregister_buffer(index) or the ring's end.
+  int register_buffer(void* buf, size_t length);
+  void unregister_buffer(int index);
+
   // Raw operations; `done->complete(res)` gets the io_uring result.
   void recv(int fd, void* buf, size_t length, Completion* done);
   void sendmsg(int fd, const msghdr* msg, Completion* done);
@@ -248,6 +257,7 @@ class Ring {
   struct io_uring_sqe* next_sqe();
   void start(IoRequest* request);
   std::unique_ptr<io_uring> ring_;
+  std::vector<int> free_buffer_slots_;  // empty when the kernel has no table for us
 };
 
 }  // namespace shareblk::backend

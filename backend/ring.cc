@@ -18,6 +18,10 @@ namespace {
 // fallocate could not, then (FUA on trim/zero) a data sync.
 enum Stage : uint8_t { kMain = 0, kZeroFill = 1, kSync = 2 };
 
+// Registered-buffer slots per ring. A worker's pool keeps about 2,000 small buffers at most;
+// the ones past the table's end work unregistered.
+constexpr unsigned kBufferSlots = 4096;
+
 }  // namespace
 
 Ring::Ring(unsigned entries, std::error_code& ec) : ring_(std::make_unique<io_uring>()) {
@@ -36,7 +40,36 @@ Ring::Ring(unsigned entries, std::error_code& ec) : ring_(std::make_unique<io_ur
   if (rc < 0) {
     ec.assign(-rc, std::generic_category());
     ring_.reset();
+    return;
   }
+  // A sparse table (Linux 5.19+) is filled buffer by buffer; without one, nothing registers.
+  if (io_uring_register_buffers_sparse(ring_.get(), kBufferSlots) == 0) {
+    free_buffer_slots_.reserve(kBufferSlots);
+    for (unsigned i = kBufferSlots; i > 0; --i)
+      free_buffer_slots_.push_back(static_cast<int>(i - 1));
+  }
+}
+
+int Ring::register_buffer(void* buf, size_t length) {
+  if (free_buffer_slots_.empty()) return -1;
+  const int index = free_buffer_slots_.back();
+  iovec iov{buf, length};
+  const __u64 tag = 0;
+  if (io_uring_register_buffers_update_tag(ring_.get(), static_cast<unsigned>(index), &iov, &tag,
+                                           1) != 1) {
+    return -1;  // e.g. ENOMEM past RLIMIT_MEMLOCK; the next buffer may be smaller and fit
+  }
+  free_buffer_slots_.pop_back();
+  return index;
+}
+
+void Ring::unregister_buffer(int index) {
+  if (index < 0) return;
+  // An empty entry clears the slot; requests still using the old buffer keep it until done.
+  iovec iov{nullptr, 0};
+  const __u64 tag = 0;
+  io_uring_register_buffers_update_tag(ring_.get(), static_cast<unsigned>(index), &iov, &tag, 1);
+  free_buffer_slots_.push_back(index);
 }
 
 Ring::~Ring() {
@@ -125,11 +158,21 @@ void Ring::start(IoRequest* r) {
   io_uring_sqe_set_data(sqe, static_cast<Completion*>(r));
   if (sync) {
     io_uring_prep_fsync(sqe, at.fd, IORING_FSYNC_DATASYNC);
-  } else if (r->stage_ == kZeroFill || r->op == Op::Write) {
+  } else if (r->stage_ == kZeroFill) {
     io_uring_prep_write(sqe, at.fd, data, length, at.offset);
-    if (r->op == Op::Write && (r->flags & kFua)) sqe->rw_flags = RWF_DSYNC;
+  } else if (r->op == Op::Write) {
+    if (r->buf_index >= 0) {
+      io_uring_prep_write_fixed(sqe, at.fd, data, length, at.offset, r->buf_index);
+    } else {
+      io_uring_prep_write(sqe, at.fd, data, length, at.offset);
+    }
+    if (r->flags & kFua) sqe->rw_flags = RWF_DSYNC;
   } else if (r->op == Op::Read) {
-    io_uring_prep_read(sqe, at.fd, data, length, at.offset);
+    if (r->buf_index >= 0) {
+      io_uring_prep_read_fixed(sqe, at.fd, data, length, at.offset, r->buf_index);
+    } else {
+      io_uring_prep_read(sqe, at.fd, data, length, at.offset);
+    }
   } else if (r->op == Op::Cache) {
     io_uring_prep_fadvise(sqe, at.fd, at.offset, static_cast<off_t>(length), POSIX_FADV_WILLNEED);
   } else {  // Trim, WriteZeroes

@@ -204,6 +204,7 @@ bool Connection::begin_request(const nbd::Request& h) {
   r->length = h.length;
   r->flags = 0;
   r->buf = nullptr;
+  r->buf_index = -1;
   r->payload_size = 0;
   r->next = nullptr;
   ++inflight_;
@@ -228,7 +229,9 @@ bool Connection::begin_request(const nbd::Request& h) {
   const bool needs_buffer = has_payload || h.type == kCmdRead;
   if (!err && needs_buffer && h.length > kMaxPayload) err = EOVERFLOW;
   if (!err && needs_buffer && h.length > 0) {
-    r->buf = worker_.pool().get(h.length);
+    const BufferPool::Buffer b = worker_.pool().get(h.length);
+    r->buf = b.data;
+    r->buf_index = b.index;
     if (r->buf == nullptr) {
       err = ENOMEM;
     } else {
@@ -475,7 +478,7 @@ void Connection::on_sent(int res) {
 
 void Connection::release(Request* r) {
   if (r->payload_size > 0) {
-    worker_.pool().put(r->buf, r->payload_size);
+    worker_.pool().put({r->buf, r->buf_index}, r->payload_size);
     inflight_bytes_ -= r->payload_size;
   }
   --inflight_;

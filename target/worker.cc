@@ -24,8 +24,17 @@ constexpr size_t kKeepRequests = 1024;
 
 BufferPool::~BufferPool() {
   for (auto& list : free_) {
-    for (char* p : list) std::free(p);
+    for (Buffer b : list) release(b);
   }
+}
+
+void BufferPool::use_ring(backend::Ring* ring) {
+  if (ring == nullptr) {  // the ring's end unregisters everything at once
+    for (auto& list : free_) {
+      for (Buffer& b : list) b.index = -1;
+    }
+  }
+  ring_ = ring;
 }
 
 int BufferPool::size_class(uint32_t size) {
@@ -33,26 +42,38 @@ int BufferPool::size_class(uint32_t size) {
   return std::bit_width(size - 1) - std::bit_width(kMinSize - 1);
 }
 
-char* BufferPool::get(uint32_t size) {
+BufferPool::Buffer BufferPool::get(uint32_t size) {
   const int c = size_class(size);
-  if (c >= kClasses) return nullptr;
+  if (c >= kClasses) return {};
   auto& list = free_[static_cast<size_t>(c)];
   if (!list.empty()) {
-    char* p = list.back();
+    Buffer b = list.back();
     list.pop_back();
-    return p;
+    return b;
   }
-  return static_cast<char*>(std::aligned_alloc(kMinSize, size_t{kMinSize} << c));
+  const size_t bytes = size_t{kMinSize} << c;
+  Buffer b{static_cast<char*>(std::aligned_alloc(kMinSize, bytes)), -1};
+  if (b.data != nullptr && ring_ != nullptr && bytes <= kRegisterMax) {
+    b.index = ring_->register_buffer(b.data, bytes);
+  }
+  return b;
 }
 
-void BufferPool::put(char* buf, uint32_t size) {
+void BufferPool::put(Buffer buf, uint32_t size) {
   const int c = size_class(size);
   auto& list = free_[static_cast<size_t>(c)];
   if (list.size() < keep_limit(kMinSize << c)) {
     list.push_back(buf);
   } else {
-    std::free(buf);
+    release(buf);
   }
+}
+
+// The slot is cleared before the memory is freed: a registered buffer refers to its pages, and
+// the allocator may hand the same addresses out again.
+void BufferPool::release(Buffer buf) {
+  if (buf.index >= 0 && ring_ != nullptr) ring_->unregister_buffer(buf.index);
+  std::free(buf.data);
 }
 
 // --- Worker ---
@@ -87,6 +108,7 @@ void Worker::run(std::promise<std::error_code>* started) {
     started->set_value(ec);
     return;
   }
+  pool_.use_ring(ring_.get());
   ring_->read(event_fd_, &event_value_, sizeof event_value_, &wakeup_);
   started->set_value({});
   while (!(stopping_ && connections_.empty())) {
@@ -105,6 +127,7 @@ void Worker::run(std::promise<std::error_code>* started) {
       flushing_.clear();
     }
   }
+  pool_.use_ring(nullptr);
   ring_.reset();  // cancels the eventfd read
 }
 

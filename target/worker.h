@@ -21,25 +21,37 @@
 namespace shareblk::target {
 
 // Payload buffers by power-of-two size class, 4 KiB aligned for O_DIRECT, recycled so that the
-// steady state allocates nothing. Owned by one worker thread; not thread-safe.
+// steady state allocates nothing. Buffers up to kRegisterMax are registered with the worker's
+// ring as they are made (see backend::Ring::register_buffer). Owned by one worker thread.
 class BufferPool {
  public:
   static constexpr uint32_t kMinSize = 4096;
   static constexpr int kClasses = 14;  // 4 KiB .. 32 MiB
   static_assert((kMinSize << (kClasses - 1)) == nbd::kMaxPayload);
+  static constexpr uint32_t kRegisterMax = 1u << 20;
+
+  struct Buffer {
+    char* data = nullptr;
+    int index = -1;  // registered buffer index, or -1
+  };
 
   BufferPool() = default;
   ~BufferPool();
   BufferPool(const BufferPool&) = delete;
   BufferPool& operator=(const BufferPool&) = delete;
 
-  // A buffer of at least `size` bytes (size <= kMaxPayload), or nullptr when out of memory.
-  char* get(uint32_t size);
-  void put(char* buf, uint32_t size);
+  // Registers the buffers made from now on with `ring`; nullptr before the ring goes away.
+  void use_ring(backend::Ring* ring);
+
+  // A buffer of at least `size` bytes (size <= kMaxPayload); data is nullptr when out of memory.
+  Buffer get(uint32_t size);
+  void put(Buffer buf, uint32_t size);
 
  private:
   static int size_class(uint32_t size);
-  std::array<std::vector<char*>, kClasses> free_;
+  void release(Buffer buf);
+  backend::Ring* ring_ = nullptr;
+  std::array<std::vector<Buffer>, kClasses> free_;
 };
 
 class Worker;
