@@ -342,9 +342,11 @@ void Connection::encode_reply(Request* r, int err) {
   } else if (r->type == kCmdRead && r->length > 0) {
     // Data and hole chunks, unless the client forbade fragmenting (DF) or nothing can be a
     // hole. Holes are looked up after the read; a write racing the read may go either way,
-    // as it may for the read itself.
+    // as it may for the read itself. Not for volumes in memory: the bytes are already read
+    // from RAM, and tmpfs's SEEK_DATA walks fallocated pages one by one to the next data.
     extents_.clear();
-    if (!(r->nbd_flags & kCmdFlagDf) && handle_.volume()->may_have_holes()) {
+    const backend::Volume& volume = *handle_.volume();
+    if (!(r->nbd_flags & kCmdFlagDf) && volume.may_have_holes() && !volume.in_memory()) {
       handle_.extents(r->offset, r->length, Request::kMaxChunks - 1, extents_);
     }
     uint64_t covered = 0;

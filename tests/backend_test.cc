@@ -777,26 +777,6 @@ TEST_F(RingTest, ReadOnlyWriteThroughTheRingIsRefused) {
 
 // --- tmpfs: no (real) O_DIRECT, no ZERO_RANGE ---
 
-// A directory on /dev/shm (tmpfs), removed with everything in it.
-class ShmDir {
- public:
-  ShmDir() {
-    std::string tmpl = "/dev/shm/shareblk-test-XXXXXX";
-    if (::mkdtemp(tmpl.data()) != nullptr) path_ = tmpl;
-  }
-  ~ShmDir() {
-    std::error_code ec;
-    if (!path_.empty()) std::filesystem::remove_all(path_, ec);
-  }
-  ShmDir(const ShmDir&) = delete;
-  ShmDir& operator=(const ShmDir&) = delete;
-  bool ok() const { return !path_.empty(); }
-  std::string operator/(const std::string& name) const { return path_ + "/" + name; }
-
- private:
-  std::string path_;
-};
-
 class TmpfsTest : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -818,7 +798,7 @@ class TmpfsTest : public ::testing::Test {
     return r.err;
   }
 
-  ShmDir dir_;
+  testing::ShmDir dir_;
   std::string path_;
   std::shared_ptr<Volume> volume_;
   Handle rw_;

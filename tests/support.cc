@@ -45,6 +45,16 @@ TempDir::~TempDir() {
   std::filesystem::remove_all(path_, ec);
 }
 
+ShmDir::ShmDir() {
+  std::string tmpl = "/dev/shm/shareblk-test-XXXXXX";
+  if (::mkdtemp(tmpl.data()) != nullptr) path_ = tmpl;
+}
+
+ShmDir::~ShmDir() {
+  std::error_code ec;
+  if (!path_.empty()) std::filesystem::remove_all(path_, ec);
+}
+
 void make_file(const std::string& path, uint64_t size, int fill) {
   int fd = ::open(path.c_str(), O_CREAT | O_TRUNC | O_WRONLY | O_CLOEXEC, 0644);
   if (fd < 0) throw std::runtime_error("cannot create " + path);

@@ -39,6 +39,21 @@ class TempDir {
   std::filesystem::path path_;
 };
 
+// A directory on /dev/shm (tmpfs), removed with everything in it; ok() is false when there is
+// no writable /dev/shm.
+class ShmDir {
+ public:
+  ShmDir();
+  ~ShmDir();
+  ShmDir(const ShmDir&) = delete;
+  ShmDir& operator=(const ShmDir&) = delete;
+  bool ok() const { return !path_.empty(); }
+  std::string operator/(const std::string& name) const { return path_ + "/" + name; }
+
+ private:
+  std::string path_;
+};
+
 // Creates a file of `size` bytes; `fill` < 0 leaves it sparse, else every byte is `fill`.
 void make_file(const std::string& path, uint64_t size, int fill = -1);
 std::string read_file(const std::string& path, uint64_t offset, size_t length);
