@@ -798,7 +798,7 @@ class TmpfsTest : public ::testing::Test {
     return r.err;
   }
 
-  testing::ShmDir dir_;
+  testing::TempDir dir_{"/dev/shm", std::nothrow};
   std::string path_;
   std::shared_ptr<Volume> volume_;
   Handle rw_;

@@ -775,7 +775,7 @@ TEST_F(E2eTest, ReadsAcrossHolesAndDataReturnTheRightBytes) {
 // the file (1 GiB: ~120 reads/s with the worker thread at 100%). Reads must not depend on how
 // far the next data is.
 TEST(E2eTmpfs, ReadsOfAFallocatedTmpfsVolumeDoNotScanTheFile) {
-  ShmDir shm;
+  TempDir shm("/dev/shm", std::nothrow);
   SHAREBLK_REQUIRE(shm.ok(), "no writable /dev/shm");
   TempDir dir;
   const std::string vol = shm / "vol.img";

@@ -34,23 +34,23 @@ bool is_root() {
   return ::geteuid() == 0;
 }
 
-TempDir::TempDir() {
-  std::string tmpl = (std::filesystem::temp_directory_path() / "shareblk-test-XXXXXX").string();
-  if (::mkdtemp(tmpl.data()) == nullptr) throw std::runtime_error("mkdtemp failed");
-  path_ = tmpl;
+namespace {
+// mkdtemp under `parent`; empty when it fails.
+std::filesystem::path make_temp_dir(const std::filesystem::path& parent) {
+  std::string tmpl = (parent / "shareblk-test-XXXXXX").string();
+  if (::mkdtemp(tmpl.data()) == nullptr) return {};
+  return tmpl;
 }
+}  // namespace
+
+TempDir::TempDir() : path_(make_temp_dir(std::filesystem::temp_directory_path())) {
+  if (path_.empty()) throw std::runtime_error("mkdtemp failed");
+}
+
+TempDir::TempDir(const std::filesystem::path& parent, std::nothrow_t)
+    : path_(make_temp_dir(parent)) {}
 
 TempDir::~TempDir() {
-  std::error_code ec;
-  std::filesystem::remove_all(path_, ec);
-}
-
-ShmDir::ShmDir() {
-  std::string tmpl = "/dev/shm/shareblk-test-XXXXXX";
-  if (::mkdtemp(tmpl.data()) != nullptr) path_ = tmpl;
-}
-
-ShmDir::~ShmDir() {
   std::error_code ec;
   if (!path_.empty()) std::filesystem::remove_all(path_, ec);
 }

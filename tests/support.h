@@ -6,6 +6,7 @@
 
 #include <chrono>
 #include <filesystem>
+#include <new>
 #include <string>
 #include <vector>
 
@@ -26,32 +27,22 @@ bool in_ci();
 bool have_program(const std::string& name);
 bool is_root();
 
+// A fresh directory, removed with everything in it.
 class TempDir {
  public:
+  // In the system's temp directory; throws when it cannot be made.
   TempDir();
+  // Under `parent` (/dev/shm for tmpfs); ok() is false when it cannot be made there.
+  TempDir(const std::filesystem::path& parent, std::nothrow_t);
   ~TempDir();
   TempDir(const TempDir&) = delete;
   TempDir& operator=(const TempDir&) = delete;
+  bool ok() const { return !path_.empty(); }
   const std::filesystem::path& path() const { return path_; }
   std::string operator/(const std::string& name) const { return (path_ / name).string(); }
 
  private:
   std::filesystem::path path_;
-};
-
-// A directory on /dev/shm (tmpfs), removed with everything in it; ok() is false when there is
-// no writable /dev/shm.
-class ShmDir {
- public:
-  ShmDir();
-  ~ShmDir();
-  ShmDir(const ShmDir&) = delete;
-  ShmDir& operator=(const ShmDir&) = delete;
-  bool ok() const { return !path_.empty(); }
-  std::string operator/(const std::string& name) const { return path_ + "/" + name; }
-
- private:
-  std::string path_;
 };
 
 // Creates a file of `size` bytes; `fill` < 0 leaves it sparse, else every byte is `fill`.
