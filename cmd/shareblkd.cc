@@ -86,6 +86,10 @@ int run(int argc, char** argv) {
      "listen for NBD on HOST:PORT (repeatable; default 127.0.0.1:10809 when no listener is given)")
     ("workers", po::value<unsigned>()->default_value(0), "io_uring worker threads (0 = one per CPU)")
     ("max-connections", po::value<unsigned>()->default_value(1024), "connections at most")
+    ("handshake-timeout-ms", po::value<unsigned>()->default_value(30000),
+     "milliseconds a client has for its whole handshake")
+    ("payload-memory-mib", po::value<uint64_t>()->default_value(0),
+     "MiB of request payloads all NBD connections may hold at once (0 = a quarter of RAM)")
     ("buffered", po::bool_switch(), "use the page cache instead of O_DIRECT")
     ("log-level", po::value<std::string>()->default_value("info"),
      "trace, debug, info, warn, error");
@@ -116,6 +120,12 @@ int run(int argc, char** argv) {
   if (vm.count("listen-tcp")) options.listen_tcp = vm["listen-tcp"].as<std::vector<std::string>>();
   options.workers = vm["workers"].as<unsigned>();
   options.max_connections = vm["max-connections"].as<unsigned>();
+  options.payload_memory = vm["payload-memory-mib"].as<uint64_t>() << 20;
+  options.handshake_timeout = std::chrono::milliseconds(vm["handshake-timeout-ms"].as<unsigned>());
+  if (options.handshake_timeout.count() == 0) {
+    std::cerr << "shareblkd: --handshake-timeout-ms must be at least 1\n";
+    return 2;
+  }
   sigset_t signals = block_signals();
 
   std::shared_ptr<target::ExportCatalog> catalog;

@@ -8,6 +8,8 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <optional>
+#include <utility>
 
 #include "target/worker.h"
 
@@ -61,6 +63,26 @@ uint16_t allowed_flags(uint16_t type, bool structured) {
   }
 }
 
+// The backend operation that carries out an NBD command on the ring; nullopt for the others.
+std::optional<backend::Op> op_of(uint16_t type) {
+  switch (type) {
+    case kCmdRead:
+      return backend::Op::Read;
+    case kCmdWrite:
+      return backend::Op::Write;
+    case kCmdFlush:
+      return backend::Op::Flush;
+    case kCmdTrim:
+      return backend::Op::Trim;
+    case kCmdWriteZeroes:
+      return backend::Op::WriteZeroes;
+    case kCmdCache:
+      return backend::Op::Cache;
+    default:
+      return std::nullopt;
+  }
+}
+
 }  // namespace
 
 void Request::done(int err) {
@@ -79,6 +101,7 @@ Connection::Connection(Worker& worker, int fd, Session session)
 
 Connection::~Connection() {
   if (flush_scheduled_) worker_.cancel_flush(this);
+  if (waiting_for_budget_) worker_.cancel_wait_for_budget(this);
   ::close(fd_);
 }
 
@@ -111,7 +134,11 @@ void Connection::drop_replies() {
 }
 
 void Connection::post_recv() {
-  if (!reading_ || recv_pending_ || broken_) return;
+  if (recv_pending_) return;
+  if (!reading_ || broken_) {
+    drop_partial_request();
+    return;
+  }
   if (payload_for_ != nullptr) {  // the rest of a WRITE's payload goes straight to its buffer
     worker_.ring().recv(fd_, payload_for_->buf + payload_got_, payload_for_->length - payload_got_,
                         &recv_done_);
@@ -119,7 +146,8 @@ void Connection::post_recv() {
     return;
   }
   // Back-pressure: a client with too much in flight waits for replies before we read more.
-  if (inflight_ >= kMaxInflight || inflight_bytes_ >= kMaxInflightBytes) return;
+  // Not while skipping a payload, which takes no memory and whose request counts in flight.
+  if (discard_left_ == 0 && must_wait()) return;
   if (rend_ - rpos_ >= kRequestSize) return;
   if (rpos_ > 0) {
     std::memmove(rbuf_.get(), rbuf_.get() + rpos_, rend_ - rpos_);
@@ -138,11 +166,7 @@ void Connection::on_recv(int res) {
   }
   if (res <= 0) {  // end of file, reset, or drain()
     reading_ = false;
-    if (payload_for_ != nullptr) {  // the client vanished mid-payload: nothing is written
-      Request* r = payload_for_;
-      payload_for_ = nullptr;
-      release(r);
-    }
+    drop_partial_request();
     maybe_close();
     return;
   }
@@ -164,6 +188,36 @@ void Connection::on_recv(int res) {
   maybe_close();
 }
 
+// A request whose payload will not arrive in full (the client vanished, or we stopped reading)
+// is dropped unanswered, and nothing is written.
+void Connection::drop_partial_request() {
+  Request* r = payload_for_ != nullptr ? payload_for_ : refused_;
+  payload_for_ = nullptr;
+  refused_ = nullptr;
+  discard_left_ = 0;
+  if (r != nullptr) release(r);
+}
+
+bool Connection::must_wait() {
+  if (inflight_ >= kMaxInflight || inflight_bytes_ >= kMaxInflightBytes) return true;  // on us
+  if (!worker_.payload_budget_spent()) return false;
+  if (!waiting_for_budget_) {  // on the others: the worker tells us when there is room
+    waiting_for_budget_ = true;
+    worker_.wait_for_budget(this);
+  }
+  return true;
+}
+
+void Connection::resume() {
+  waiting_for_budget_ = false;
+  {
+    Hold hold(*this);
+    parse();
+    post_recv();
+  }
+  maybe_close();
+}
+
 void Connection::parse() {
   Hold hold(*this);
   while (reading_ && payload_for_ == nullptr) {
@@ -172,9 +226,10 @@ void Connection::parse() {
       rpos_ += n;
       discard_left_ -= n;
       if (discard_left_ > 0) break;
+      finish_request(std::exchange(refused_, nullptr), refused_err_);
       continue;
     }
-    if (inflight_ >= kMaxInflight || inflight_bytes_ >= kMaxInflightBytes) break;
+    if (must_wait()) break;
     if (rend_ - rpos_ < kRequestSize) break;
     nbd::Request h = decode_request(reinterpret_cast<const uint8_t*>(rbuf_.get() + rpos_));
     rpos_ += kRequestSize;
@@ -225,6 +280,13 @@ bool Connection::begin_request(const nbd::Request& h) {
       err = EINVAL;  // unknown command
   }
   if (h.flags & ~allowed_flags(h.type, session_.structured_replies)) err = EINVAL;
+  // A change from a read-only attachment gets EPERM before any other error (bad flags, too
+  // large): what the client must learn is that it may not write here. The backend's admission
+  // rule decides, as it does again on the I/O path.
+  if (const std::optional<backend::Op> op = op_of(h.type);
+      op && handle_.admit(*op, h.offset, h.length) == EPERM) {
+    err = EPERM;  // only changes get EPERM from admission
+  }
   const bool has_payload = h.type == kCmdWrite;
   const bool needs_buffer = has_payload || h.type == kCmdRead;
   if (!err && needs_buffer && h.length > kMaxPayload) err = EOVERFLOW;
@@ -237,11 +299,17 @@ bool Connection::begin_request(const nbd::Request& h) {
     } else {
       r->payload_size = h.length;
       inflight_bytes_ += h.length;
+      worker_.payload_taken(h.length);
     }
   }
   if (err) {
-    if (has_payload) discard_left_ = h.length;
-    finish_request(r, err);
+    if (has_payload && h.length > 0) {
+      refused_ = r;
+      refused_err_ = err;
+      discard_left_ = h.length;
+    } else {
+      finish_request(r, err);
+    }
     return true;
   }
   if (has_payload && h.length > 0) {  // a zero-length write has no buffer to copy into
@@ -259,40 +327,22 @@ bool Connection::begin_request(const nbd::Request& h) {
 }
 
 void Connection::dispatch(Request* r) {
-  using backend::Op;
-  switch (r->type) {
-    case kCmdRead:
-      r->op = Op::Read;
-      break;
-    case kCmdWrite:
-      r->op = Op::Write;
-      break;
-    case kCmdFlush:
-      r->op = Op::Flush;
-      break;
-    case kCmdTrim:
-      r->op = Op::Trim;
-      break;
-    case kCmdWriteZeroes:
-      r->op = Op::WriteZeroes;
-      break;
-    case kCmdCache:
-      r->op = Op::Cache;
-      break;
-    case kCmdBlockStatus: {
-      // SEEK_DATA/SEEK_HOLE answer from file system metadata: no reason to leave the thread.
-      int err = r->length == 0
-                    ? EINVAL
-                    : handle_.extents(r->offset, r->length,
-                                      (r->nbd_flags & kCmdFlagReqOne) ? 1 : Request::kMaxExtents,
-                                      extents_);
-      finish_request(r, err);
-      return;
-    }
-    default:
-      finish_request(r, EINVAL);
-      return;
+  if (r->type == kCmdBlockStatus) {
+    // SEEK_DATA/SEEK_HOLE answer from file system metadata: no reason to leave the thread.
+    int err =
+        r->length == 0
+            ? EINVAL
+            : handle_.extents(r->offset, r->length,
+                              (r->nbd_flags & kCmdFlagReqOne) ? 1 : Request::kMaxExtents, extents_);
+    finish_request(r, err);
+    return;
   }
+  const std::optional<backend::Op> op = op_of(r->type);
+  if (!op) {
+    finish_request(r, EINVAL);
+    return;
+  }
+  r->op = *op;
   if (r->nbd_flags & kCmdFlagFua) r->flags |= backend::kFua;
   if (r->nbd_flags & kCmdFlagNoHole) r->flags |= backend::kNoHole;
   if (r->nbd_flags & kCmdFlagFastZero) r->flags |= backend::kFastZero;
@@ -482,6 +532,7 @@ void Connection::release(Request* r) {
   if (r->payload_size > 0) {
     worker_.pool().put({r->buf, r->buf_index}, r->payload_size);
     inflight_bytes_ -= r->payload_size;
+    worker_.payload_returned(r->payload_size);
   }
   --inflight_;
   worker_.put_request(r);

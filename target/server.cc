@@ -7,15 +7,21 @@
 #include <netdb.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
+#include <poll.h>
 #include <spdlog/spdlog.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <chrono>
+#include <climits>
 #include <condition_variable>
+#include <cstdint>
 #include <cstring>
 #include <mutex>
+#include <system_error>
 #include <thread>
 #include <unordered_map>
 #include <unordered_set>
@@ -27,15 +33,20 @@ namespace shareblk::target {
 
 namespace {
 
+// The handshake's socket, with one deadline for the whole handshake. A per-call timeout
+// (SO_RCVTIMEO) is no deadline: it restarts with every byte, so a client trickling one byte
+// every few seconds would hold its thread and a max_connections slot forever.
 class SocketStream final : public ByteStream {
  public:
-  explicit SocketStream(int fd) : fd_(fd) {}
+  SocketStream(int fd, std::chrono::steady_clock::time_point deadline)
+      : fd_(fd), deadline_(deadline) {}
   bool read_exact(void* buf, size_t length) override {
     auto* p = static_cast<char*>(buf);
     while (length > 0) {
-      ssize_t n = ::recv(fd_, p, length, 0);
-      if (n < 0 && errno == EINTR) continue;
-      if (n <= 0) return false;  // closed, reset, or the handshake deadline passed
+      if (!wait_until_ready(POLLIN)) return false;
+      ssize_t n = ::recv(fd_, p, length, MSG_DONTWAIT);
+      if (n < 0 && (errno == EINTR || errno == EAGAIN)) continue;
+      if (n <= 0) return false;  // closed or reset
       p += n;
       length -= static_cast<size_t>(n);
     }
@@ -44,8 +55,9 @@ class SocketStream final : public ByteStream {
   bool write_all(const void* buf, size_t length) override {
     const auto* p = static_cast<const char*>(buf);
     while (length > 0) {
-      ssize_t n = ::send(fd_, p, length, MSG_NOSIGNAL);
-      if (n < 0 && errno == EINTR) continue;
+      if (!wait_until_ready(POLLOUT)) return false;
+      ssize_t n = ::send(fd_, p, length, MSG_NOSIGNAL | MSG_DONTWAIT);
+      if (n < 0 && (errno == EINTR || errno == EAGAIN)) continue;
       if (n <= 0) return false;
       p += n;
       length -= static_cast<size_t>(n);
@@ -54,7 +66,24 @@ class SocketStream final : public ByteStream {
   }
 
  private:
+  // Waits for `events` for at most the time left; false (errno ETIMEDOUT) once it is up.
+  bool wait_until_ready(short events) {
+    for (;;) {
+      const auto left = std::chrono::ceil<std::chrono::milliseconds>(
+          deadline_ - std::chrono::steady_clock::now());
+      if (left <= std::chrono::milliseconds(0)) {
+        errno = ETIMEDOUT;
+        return false;
+      }
+      pollfd p{fd_, events, 0};
+      const int rc = ::poll(&p, 1, static_cast<int>(std::min<int64_t>(left.count(), INT_MAX)));
+      if (rc > 0) return true;  // ready, or an error or hangup the next call reports
+      if (rc < 0 && errno != EINTR) return false;
+    }
+  }
+
   int fd_;
+  std::chrono::steady_clock::time_point deadline_;
 };
 
 // Room for several maximum-size replies in the socket: with the default (about 208 KiB on
@@ -64,13 +93,6 @@ void enlarge_send_buffer(int fd) {
   if (::setsockopt(fd, SOL_SOCKET, SO_SNDBUFFORCE, &bytes, sizeof bytes) != 0) {
     ::setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &bytes, sizeof bytes);  // capped by wmem_max
   }
-}
-
-void set_timeouts(int fd, std::chrono::milliseconds t) {
-  timeval tv{static_cast<time_t>(t.count() / 1000),
-             static_cast<suseconds_t>((t.count() % 1000) * 1000)};
-  ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
-  ::setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
 }
 
 std::error_code listen_unix(const std::string& path, int& out) {
@@ -221,7 +243,18 @@ void Server::Impl::accept_loop(Listener& listener) {
     ++handshakes;
     handshake_fds.insert(fd);
     lock.unlock();
-    std::thread([this, fd, tcp = listener.tcp] { handshake(fd, tcp); }).detach();
+    try {
+      std::thread([this, fd, tcp = listener.tcp] { handshake(fd, tcp); }).detach();
+    } catch (const std::system_error& e) {  // out of threads (pids limit, memory)
+      spdlog::warn("nbd: refusing connection: cannot start its handshake: {}", e.what());
+      lock.lock();
+      --open_connections;
+      --handshakes;
+      handshake_fds.erase(fd);
+      changed.notify_all();
+      lock.unlock();
+      ::close(fd);
+    }
   }
 }
 
@@ -230,10 +263,8 @@ void Server::Impl::handshake(int fd, bool tcp) {
     int one = 1;
     ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
   }
-  set_timeouts(fd, options.handshake_timeout);
-  SocketStream stream(fd);
+  SocketStream stream(fd, std::chrono::steady_clock::now() + options.handshake_timeout);
   std::optional<Session> session = negotiate(stream, *catalog, peer_of(fd));
-  set_timeouts(fd, std::chrono::milliseconds(0));
   enlarge_send_buffer(fd);
 
   std::lock_guard lock(mutex);
@@ -265,8 +296,14 @@ Server::~Server() {
 std::error_code Server::start(std::string& what) {
   Impl& s = *impl_;
   unsigned count = s.options.workers ? s.options.workers : std::thread::hardware_concurrency();
-  for (unsigned i = 0; i < std::max(1u, count); ++i) {
-    auto w = std::make_unique<Worker>(s);
+  count = std::max(1u, count);
+  uint64_t memory = s.options.payload_memory;
+  if (memory == 0) {
+    memory = static_cast<uint64_t>(::sysconf(_SC_PHYS_PAGES)) *
+             static_cast<uint64_t>(::sysconf(_SC_PAGESIZE)) / 4;
+  }
+  for (unsigned i = 0; i < count; ++i) {
+    auto w = std::make_unique<Worker>(s, memory / count);
     if (std::error_code ec = w->start()) {
       what = "io_uring worker";
       return ec;

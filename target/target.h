@@ -64,6 +64,9 @@ struct ServerOptions {
   unsigned workers = 0;                  // io_uring threads; 0 = one per CPU
   unsigned max_connections = 1024;       // beyond this, new connections are closed at once
   std::chrono::milliseconds handshake_timeout{30000};
+  // Request payload bytes all connections may hold at once, shared out among the workers;
+  // 0 = a quarter of the machine's memory. Past it, connections wait before reading more.
+  uint64_t payload_memory = 0;
   // How long close_group() lets a connection finish its requests before cutting it off.
   std::chrono::milliseconds close_grace{10000};
 };

@@ -78,7 +78,8 @@ void BufferPool::release(Buffer buf) {
 
 // --- Worker ---
 
-Worker::Worker(ConnectionRegistry& registry) : registry_(registry) {
+Worker::Worker(ConnectionRegistry& registry, uint64_t payload_budget)
+    : registry_(registry), payload_budget_(payload_budget) {
   wakeup_.worker = this;
 }
 
@@ -125,6 +126,13 @@ void Worker::run(std::promise<std::error_code>* started) {
         if (Connection* c = flushing_[i]) c->flush();
       }
       flushing_.clear();
+    }
+    if (!budget_waiters_.empty() && !payload_budget_spent()) {
+      resuming_.swap(budget_waiters_);
+      for (size_t i = 0; i < resuming_.size(); ++i) {
+        if (Connection* c = resuming_[i]) c->resume();  // may wait again, or close
+      }
+      resuming_.clear();
     }
   }
   pool_.use_ring(nullptr);
@@ -209,6 +217,15 @@ void Worker::put_request(Request* r) {
 void Worker::cancel_flush(Connection* c) {
   std::erase(flushes_, c);
   std::replace(flushing_.begin(), flushing_.end(), c, static_cast<Connection*>(nullptr));
+}
+
+void Worker::wait_for_budget(Connection* c) {
+  budget_waiters_.push_back(c);
+}
+
+void Worker::cancel_wait_for_budget(Connection* c) {
+  std::erase(budget_waiters_, c);
+  std::replace(resuming_.begin(), resuming_.end(), c, static_cast<Connection*>(nullptr));
 }
 
 void Worker::connection_finished(Connection* c) {

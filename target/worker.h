@@ -104,6 +104,8 @@ class Connection {
   void on_sent(int res);
   // Sends the queued replies; called by the worker after a batch of completions.
   void flush();
+  // Reads requests again after waiting for the worker's payload budget.
+  void resume();
 
  private:
   struct RecvCompletion final : backend::Completion {
@@ -116,6 +118,7 @@ class Connection {
   };
 
   void post_recv();
+  void drop_partial_request();
   void parse();
   bool begin_request(const nbd::Request& header);
   void dispatch(Request* r);
@@ -138,7 +141,11 @@ class Connection {
   size_t rend_ = 0;
   Request* payload_for_ = nullptr;  // a WRITE whose payload is still arriving
   uint32_t payload_got_ = 0;
-  uint64_t discard_left_ = 0;  // payload bytes of a refused request still to skip
+  // A refused WRITE is answered once its payload has been read and dropped: a reply that
+  // overtakes the request it answers makes clients (libnbd) drop the connection.
+  Request* refused_ = nullptr;
+  int refused_err_ = 0;
+  uint64_t discard_left_ = 0;  // payload bytes of refused_ still to skip
 
   RecvCompletion recv_done_;
   SendCompletion send_done_;
@@ -162,6 +169,7 @@ class Connection {
   Request* sendq_tail_ = nullptr;
   bool send_pending_ = false;
   bool flush_scheduled_ = false;
+  bool waiting_for_budget_ = false;
   static constexpr int kMaxSendIov = 256;
   iovec send_iov_[kMaxSendIov];
   msghdr send_msg_{};
@@ -171,6 +179,8 @@ class Connection {
   static constexpr uint64_t kMaxInflightBytes = 128ull << 20;
   uint32_t inflight_ = 0;
   uint64_t inflight_bytes_ = 0;
+  // True when this connection may not start another request now (its limits or its worker's).
+  bool must_wait();
 
   std::vector<backend::Extent> extents_;  // scratch for block status and sparse reads
 };
@@ -187,7 +197,9 @@ class ConnectionRegistry {
 // One thread, one ring, many connections.
 class Worker {
  public:
-  explicit Worker(ConnectionRegistry& registry);
+  // `payload_budget`: payload bytes all of this worker's connections may hold at once.
+  Worker(ConnectionRegistry& registry, uint64_t payload_budget = kDefaultPayloadBudget);
+  static constexpr uint64_t kDefaultPayloadBudget = 1ull << 30;
   ~Worker();
   Worker(const Worker&) = delete;
   Worker& operator=(const Worker&) = delete;
@@ -211,6 +223,17 @@ class Worker {
   void schedule_flush(Connection* c) { flushes_.push_back(c); }
   void cancel_flush(Connection* c);
 
+  // The payload bytes of every connection here. Each connection has its own limit, but a
+  // thousand connections at theirs would hold more memory than the machine has: past the
+  // worker's budget, connections read no new requests until replies free some.
+  bool payload_budget_spent() const { return payload_bytes_ >= payload_budget_; }
+  uint64_t payload_bytes() const { return payload_bytes_; }
+  void payload_taken(uint64_t n) { payload_bytes_ += n; }
+  void payload_returned(uint64_t n) { payload_bytes_ -= n; }
+  // `c` stopped reading for the budget: it resumes once the budget has room again.
+  void wait_for_budget(Connection* c);
+  void cancel_wait_for_budget(Connection* c);
+
  private:
   struct Wakeup final : backend::Completion {
     Worker* worker;
@@ -232,6 +255,10 @@ class Worker {
   std::vector<Request*> free_requests_;
   std::vector<Connection*> flushes_;
   std::vector<Connection*> flushing_;
+  const uint64_t payload_budget_;
+  uint64_t payload_bytes_ = 0;
+  std::vector<Connection*> budget_waiters_;
+  std::vector<Connection*> resuming_;
   bool stopping_ = false;
 };
 

@@ -2,13 +2,17 @@
 // orderings that a whole daemon cannot force.
 #include <gtest/gtest.h>
 #include <sys/socket.h>
+#include <sys/time.h>
 #include <unistd.h>
 
 #include <chrono>
 #include <condition_variable>
+#include <future>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "backend/backend.h"
 #include "target/nbd_proto.h"
@@ -49,45 +53,150 @@ bool send_all(int fd, const void* data, size_t size) {
   return true;
 }
 
+// A real Worker serving one file of `size` bytes; clients connect over socketpairs.
+class WorkerOnAFile {
+ public:
+  explicit WorkerOnAFile(uint64_t size,
+                         uint64_t payload_budget = target::Worker::kDefaultPayloadBudget)
+      : worker_(registry_, payload_budget) {
+    make_file(path(), size);
+    std::error_code ec;
+    volume_ = backend::Volume::open(path(), ec);
+    started_ = volume_ && !worker_.start();
+  }
+  ~WorkerOnAFile() { worker_.stop(); }
+  WorkerOnAFile(const WorkerOnAFile&) = delete;
+  WorkerOnAFile& operator=(const WorkerOnAFile&) = delete;
+
+  bool started() const { return started_; }
+  std::string path() const { return dir_ / "volume.img"; }
+  target::Worker& worker() { return worker_; }
+  ClosedCount& registry() { return registry_; }
+
+  // A new connection of `mode` in the group "group"; the client's end, or -1.
+  int connect(backend::AttachMode mode) {
+    int fds[2];
+    if (::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, fds) != 0) return -1;
+    target::Session session;
+    session.export_name = "volume";
+    session.exp = target::Export{volume_, mode, "group", ""};
+    worker_.adopt(fds[0], session);
+    return fds[1];
+  }
+
+ private:
+  TempDir dir_;
+  ClosedCount registry_;
+  std::shared_ptr<backend::Volume> volume_;
+  target::Worker worker_;
+  bool started_ = false;
+};
+
+bool send_request(int fd, uint16_t type, uint64_t cookie, uint64_t offset, uint32_t length) {
+  uint8_t header[nbd::kRequestSize];
+  nbd::encode_request(header, nbd::Request{nbd::kRequestMagic, 0, type, cookie, offset, length});
+  return send_all(fd, header, sizeof header);
+}
+
 // A request that completes inside dispatch (here: refused at admission, a read-only export)
 // while the connection is already aborted must not close it under the receive handler that
 // dispatched it. The worker runs the abort first and then the receive that completes the
 // payload, in one batch of completions; AddressSanitizer saw the handler use the freed
 // connection.
 TEST(ConnectionTest, AbortBeforeTheLastPayloadBytesArrive) {
-  TempDir dir;
-  make_file(dir / "volume.img", 1 << 20);
-  std::error_code ec;
-  auto volume = backend::Volume::open(dir / "volume.img", ec);
-  ASSERT_TRUE(volume) << ec.message();
+  WorkerOnAFile w(1 << 20);
+  ASSERT_TRUE(w.started());
+  const int client = w.connect(backend::AttachMode::ReadOnly);
+  ASSERT_GE(client, 0);
 
-  ClosedCount registry;
-  target::Worker worker(registry);
-  ASSERT_FALSE(worker.start());
-  int fds[2];
-  ASSERT_EQ(::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, fds), 0);
-  target::Session session;
-  session.export_name = "ro";
-  session.exp = target::Export{volume, backend::AttachMode::ReadOnly, "group", ""};
-  worker.adopt(fds[0], session);
-
-  uint8_t header[nbd::kRequestSize];
-  nbd::encode_request(header, nbd::Request{nbd::kRequestMagic, 0, nbd::kCmdWrite, 1, 0, 8192});
   const std::string half(4096, 'w');
-  ASSERT_TRUE(send_all(fds[1], header, sizeof header));
-  ASSERT_TRUE(send_all(fds[1], half.data(), half.size()));
+  ASSERT_TRUE(send_request(client, nbd::kCmdWrite, 1, 0, 8192));
+  ASSERT_TRUE(send_all(client, half.data(), half.size()));
   std::this_thread::sleep_for(50ms);  // the rest of the payload is now an armed receive
 
   // Hold the worker in a task; meanwhile the payload's end arrives and the abort is posted.
   // When the task returns, the re-armed wakeup completes at submission, ahead of the receive.
-  worker.post([](target::Worker&) { std::this_thread::sleep_for(200ms); });
+  w.worker().post([](target::Worker&) { std::this_thread::sleep_for(200ms); });
   std::this_thread::sleep_for(50ms);
-  ASSERT_TRUE(send_all(fds[1], half.data(), half.size()));
-  worker.close_group("group", /*now=*/true);
+  ASSERT_TRUE(send_all(client, half.data(), half.size()));
+  w.worker().close_group("group", /*now=*/true);
 
-  EXPECT_TRUE(registry.wait(1, 5s)) << "the connection did not close";
-  worker.stop();
-  ::close(fds[1]);
+  EXPECT_TRUE(w.registry().wait(1, 5s)) << "the connection did not close";
+  w.worker().stop();
+  ::close(client);
+}
+
+// A detach (drain) that stops reading while a WRITE's payload is half in: the receive armed
+// for the rest may still complete with some bytes, and after it nothing reads the rest. The
+// unfinished request is dropped unanswered, and the connection closes instead of waiting for
+// it forever.
+TEST(ConnectionTest, DrainWhileAWritePayloadIsHalfIn) {
+  WorkerOnAFile w(1 << 20);
+  ASSERT_TRUE(w.started());
+  const int client = w.connect(backend::AttachMode::ReadWrite);
+  ASSERT_GE(client, 0);
+
+  const std::string quarter(4096, 'w');
+  ASSERT_TRUE(send_request(client, nbd::kCmdWrite, 1, 0, 16384));
+  ASSERT_TRUE(send_all(client, quarter.data(), quarter.size()));
+  std::this_thread::sleep_for(50ms);  // the rest of the payload is now an armed receive
+
+  // The drain runs first, then the receive completes with a second quarter, not the rest.
+  w.worker().post([](target::Worker&) { std::this_thread::sleep_for(200ms); });
+  std::this_thread::sleep_for(50ms);
+  ASSERT_TRUE(send_all(client, quarter.data(), quarter.size()));
+  w.worker().close_group("group", /*now=*/false);
+
+  EXPECT_TRUE(w.registry().wait(1, 5s)) << "the connection did not close";
+  w.worker().stop();
+  ::close(client);
+  EXPECT_EQ(read_file(w.path(), 0, 16384), std::string(16384, '\0'))
+      << "a partial payload was written";
+}
+
+// Clients that send READs and never take the replies hold their payload buffers. Each
+// connection is limited (128 MiB), but their sum was not: a thousand connections could hold
+// 128 GiB. Past the worker's budget, no connection reads new requests until replies free some.
+TEST(ConnectionTest, ClientsThatTakeNoRepliesStayWithinTheWorkersBudget) {
+  constexpr uint64_t kBudget = 64 << 20;
+  constexpr uint32_t kRead = 32 << 20;
+  WorkerOnAFile w(256 << 20, kBudget);
+  ASSERT_TRUE(w.started());
+  auto payload_bytes = [&w] {
+    std::promise<uint64_t> bytes;
+    w.worker().post([&bytes](target::Worker& worker) { bytes.set_value(worker.payload_bytes()); });
+    return bytes.get_future().get();
+  };
+
+  // Four greedy clients, eight 32 MiB READs each, replies never read.
+  std::vector<int> greedy;
+  for (int c = 0; c < 4; ++c) {
+    greedy.push_back(w.connect(backend::AttachMode::ReadOnly));
+    ASSERT_GE(greedy.back(), 0);
+    for (uint64_t i = 0; i < 8; ++i) {
+      ASSERT_TRUE(send_request(greedy.back(), nbd::kCmdRead, i, i * kRead, kRead));
+    }
+  }
+  std::this_thread::sleep_for(500ms);
+  // At most one request past the budget: the check comes before each request.
+  EXPECT_LE(payload_bytes(), kBudget + kRead);
+
+  // A client that does read waits for the budget, and is served once the greedy ones leave.
+  const int client = w.connect(backend::AttachMode::ReadOnly);
+  ASSERT_GE(client, 0);
+  ASSERT_TRUE(send_request(client, nbd::kCmdRead, 99, 0, 4096));
+  for (int fd : greedy) ::close(fd);
+  std::string reply(16 + 4096, '\0');
+  timeval tv{5, 0};
+  ::setsockopt(client, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+  ASSERT_EQ(::recv(client, reply.data(), reply.size(), MSG_WAITALL),
+            static_cast<ssize_t>(reply.size()))
+      << "the waiting client was not served";
+  EXPECT_EQ(reply.substr(16), std::string(4096, '\0'));
+  EXPECT_TRUE(w.registry().wait(4, 5s)) << "the greedy connections did not close";
+  EXPECT_EQ(payload_bytes(), 0u);
+  w.worker().stop();
+  ::close(client);
 }
 
 }  // namespace

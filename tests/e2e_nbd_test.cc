@@ -638,6 +638,26 @@ TEST_F(E2eTest, ReadOnlyExportRefusesChangesAndStaysInSync) {
   EXPECT_TRUE(same_bytes(read_file(disk_, 0, original.size()), original));
 }
 
+// libnbd drops the connection ("no matching cookie") when a reply arrives while it is still
+// sending that request's payload, so a refused WRITE is answered only once its payload is in.
+TEST_F(E2eTest, RefusedWritesLeaveALibnbdConnectionUsable) {
+  const std::string original = random_bytes(1 * kMiB, 7);
+  ASSERT_NO_FATAL_FAILURE(write_file_at(disk_, 0, original));
+  Nbd h = open_nbd(socket_, "disk", {.strict = false});
+  ASSERT_TRUE(h);
+  const std::string payload = random_bytes(nbd::kMaxPayload + 4096, 8);
+  for (int i = 0; i < 10; ++i) {
+    SCOPED_TRACE("round " + std::to_string(i));
+    EXPECT_EQ(nbd_pwrite(h.get(), payload.data(), 1 * kMiB, 0, LIBNBD_CMD_FLAG_REQ_ONE), -1);
+    EXPECT_EQ(nbd_get_errno(), EINVAL) << nbd_get_error();
+    EXPECT_EQ(nbd_pwrite(h.get(), payload.data(), payload.size(), 0, 0), -1);
+    EXPECT_EQ(nbd_get_errno(), EOVERFLOW) << nbd_get_error();
+    ASSERT_EQ(nbd_aio_is_ready(h.get()), 1) << "the connection was lost";
+  }
+  EXPECT_TRUE(same_bytes(nbd_read(h.get(), 0, original.size()), original));
+  EXPECT_TRUE(same_bytes(read_file(disk_, 0, original.size()), original));
+}
+
 TEST_F(E2eTest, RequestsPastTheEndFailAndChangeNothing) {
   const std::string tail = random_bytes(1 * kMiB, 5);
   ASSERT_NO_FATAL_FAILURE(write_file_at(disk_, kDiskSize - tail.size(), tail));
@@ -1002,6 +1022,47 @@ TEST_F(E2eTest, BrokenHandshakesAreCutOff) {
   expect_serving();
 }
 
+// The handshake timeout is one deadline for the whole handshake, not a wait per recv: a client
+// trickling a valid handshake a byte at a time, never silent for long, is cut off once it is up.
+// Otherwise such clients would hold --max-connections slots forever, and every client out.
+TEST_F(E2eTest, TricklingHandshakeIsCutOffAtTheDeadline) {
+  const std::string socket = dir_ / "trickle.sock";
+  Daemon daemon({"--export", "disk=" + disk_, "--listen-unix", socket, "--workers", "1",
+                 "--handshake-timeout-ms", "1000"},
+                socket);
+  // A well-behaved client is well within the deadline.
+  ASSERT_TRUE(open_nbd(socket, "disk"));
+
+  // Client flags and NBD_OPT_GO "disk": 30 bytes, one every 200 ms, so 6 s in all.
+  std::string bytes(4 + nbd::kOptionHeaderSize + 10, '\0');
+  auto* p = reinterpret_cast<uint8_t*>(bytes.data());
+  nbd::put32(p, nbd::kClientFixedNewstyle | nbd::kClientNoZeroes);
+  nbd::put64(p + 4, nbd::kOptMagic);
+  nbd::put32(p + 12, nbd::kOptGo);
+  nbd::put32(p + 16, 10);
+  nbd::put32(p + 20, 4);
+  std::memcpy(p + 24, "disk", 4);  // and no information requests
+
+  RawClient c(socket);
+  const auto start = std::chrono::steady_clock::now();
+  ASSERT_TRUE(read_greeting(c));
+  size_t sent = 0;
+  bool closed = false;
+  while (!closed && sent < bytes.size()) {
+    if (!c.send_all(&bytes[sent], 1)) break;  // the server hung up in between
+    ++sent;
+    closed = c.closed_by_server(200ms);
+  }
+  if (!closed) closed = c.closed_by_server(2s);
+  const auto elapsed = std::chrono::steady_clock::now() - start;
+  EXPECT_TRUE(closed) << "the trickling client finished its handshake after " << sent << " bytes";
+  EXPECT_LT(elapsed, 2500ms) << "cut off only after " << sent << " of " << bytes.size() << " bytes";
+  EXPECT_LT(sent, bytes.size());
+  // The daemon is still serving.
+  EXPECT_TRUE(open_nbd(socket, "disk"));
+  EXPECT_EQ(daemon.stop(SIGTERM), 0) << daemon.log();
+}
+
 TEST_F(E2eTest, ClientsVanishingMidwayDoNotDisturbOthers) {
   // Opened before the abuse, and must be served throughout.
   Nbd before = open_nbd(socket_, "disk");
@@ -1215,6 +1276,51 @@ TEST_F(E2eTest, RefusedWritePayloadIsSkippedOnReadOnlyExport) {
     }
   }
   EXPECT_EQ(answered.size(), cookie - 1);
+  EXPECT_TRUE(same_bytes(read_file(disk_, 0, 4 * kMiB), std::string(4 * kMiB, '\0')));
+}
+
+// A change from a read-only attachment is refused with EPERM whatever else is wrong with it:
+// the client learns the one thing that matters (it may not write here), and the payload of an
+// oversized or badly flagged WRITE is still skipped rather than parsed as requests.
+TEST_F(E2eTest, ReadOnlyExportAnswersEpermBeforeAnyOtherError) {
+  RawClient c(socket_);
+  const std::optional<ExportInfo> info = handshake(c, "ro");
+  ASSERT_TRUE(info);
+  ASSERT_NE(info->flags & nbd::kFlagReadOnly, 0);
+  struct Case {
+    const char* what;
+    uint16_t type;
+    uint16_t flags;
+    uint64_t offset;
+    uint32_t length;
+  };
+  const Case cases[] = {
+      {"WRITE with an unknown flag", nbd::kCmdWrite, 1 << 9, 0, 4096},
+      {"WRITE with REQ_ONE", nbd::kCmdWrite, nbd::kCmdFlagReqOne, 0, 4096},
+      {"WRITE larger than the maximum", nbd::kCmdWrite, 0, 0, nbd::kMaxPayload + 4096},
+      {"WRITE past the end", nbd::kCmdWrite, 0, kDiskSize, 4096},
+      {"TRIM with NO_HOLE", nbd::kCmdTrim, nbd::kCmdFlagNoHole, 0, 4096},
+      {"WRITE_ZEROES with an unknown flag", nbd::kCmdWriteZeroes, 1 << 12, 0, 4096},
+  };
+  uint64_t cookie = 0;
+  for (const Case& k : cases) {
+    SCOPED_TRACE(k.what);
+    ASSERT_TRUE(send_request(c, k.type, ++cookie, k.offset, k.length, k.flags));
+    if (k.type == nbd::kCmdWrite) {
+      ASSERT_TRUE(c.send_all(requests_as_payload(k.length)));
+    }
+    SimpleReply reply;
+    ASSERT_TRUE(read_simple_reply(c, reply, {}));
+    ASSERT_NE(reply.cookie, kBogusCookie) << "a payload was parsed as requests";
+    EXPECT_EQ(reply.cookie, cookie);
+    EXPECT_EQ(reply.error, nbd::kEperm);
+  }
+  // The connection is still in step: a READ gets its bytes.
+  ASSERT_TRUE(send_request(c, nbd::kCmdRead, ++cookie, 4096, 4096));
+  SimpleReply reply;
+  ASSERT_TRUE(read_simple_reply(c, reply, {{cookie, 4096}}));
+  EXPECT_EQ(reply.cookie, cookie);
+  EXPECT_EQ(reply.error, 0u);
   EXPECT_TRUE(same_bytes(read_file(disk_, 0, 4 * kMiB), std::string(4 * kMiB, '\0')));
 }
 
