@@ -90,6 +90,8 @@ int run(int argc, char** argv) {
      "milliseconds a client has for its whole handshake")
     ("payload-memory-mib", po::value<uint64_t>()->default_value(0),
      "MiB of request payloads all NBD connections may hold at once (0 = a quarter of RAM)")
+    ("max-control-connections", po::value<unsigned>()->default_value(4096),
+     "control-socket clients at once (each nbdkit connection through the plugin holds one)")
     ("buffered", po::bool_switch(), "use the page cache instead of O_DIRECT")
     ("log-level", po::value<std::string>()->default_value("info"),
      "trace, debug, info, warn, error");
@@ -210,7 +212,8 @@ int run(int argc, char** argv) {
     if (!options.listen_unix.empty()) endpoints.unix_socket = options.listen_unix.front();
     if (!server.tcp_endpoints().empty()) endpoints.tcp = server.tcp_endpoints().front();
     plane->bind(&server, endpoints);
-    if (std::error_code ec = plane->listen(control_socket)) {
+    if (std::error_code ec =
+            plane->listen(control_socket, vm["max-control-connections"].as<unsigned>())) {
       std::cerr << "shareblkd: control socket " << control_socket << ": " << ec.message() << "\n";
       return 1;
     }

@@ -7,8 +7,13 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <chrono>
 #include <condition_variable>
 #include <cstring>
+#include <mutex>
+#include <string>
+#include <system_error>
 #include <thread>
 #include <unordered_set>
 
@@ -53,6 +58,9 @@ Json error_response(const Json& id, int code, const std::string& reason,
 // A control socket line may not be longer than this; a longer one is answered with a parse
 // error and skipped.
 constexpr size_t kMaxLine = 1 << 20;
+// Nor nested deeper than this. nlohmann::json copies and dumps values recursively: a line of
+// 100,000 nested brackets (200 KB) overflowed the stack of the thread that copied its "id".
+constexpr int kMaxDepth = 64;
 
 class Catalog final : public target::ExportCatalog {
  public:
@@ -82,12 +90,14 @@ struct ControlPlane::Impl {
   std::string handle(const std::string& line, const Caller& caller);
   void accept_loop();
   void serve_client(int fd);
+  void refuse(int fd, const std::string& why);
 
   Service service;
   std::shared_ptr<Catalog> catalog;
 
   int listen_fd = -1;
   std::string socket_path;
+  size_t max_clients = 0;
   std::thread acceptor;
   std::mutex mutex;
   std::condition_variable idle;
@@ -159,7 +169,18 @@ std::string ControlPlane::handle(const std::string& line, const Caller& caller) 
 }
 
 std::string ControlPlane::Impl::handle(const std::string& line, const Caller& caller) {
-  Json request = Json::parse(line, nullptr, /*allow_exceptions=*/false);
+  bool too_deep = false;
+  // Returning false drops a value as it is parsed, so nothing deeper than kMaxDepth is built.
+  const Json::parser_callback_t limit = [&too_deep](int depth, Json::parse_event_t, Json&) {
+    if (depth > kMaxDepth) too_deep = true;
+    return !too_deep;
+  };
+  Json request = Json::parse(line, limit, /*allow_exceptions=*/false);
+  if (too_deep) {
+    return error_response(nullptr, kInvalidRequest, "invalid_params",
+                          "nested deeper than " + std::to_string(kMaxDepth) + " levels")
+        .dump();
+  }
   if (request.is_discarded()) {
     return error_response(nullptr, kParseError, "invalid_params", "not valid JSON").dump();
   }
@@ -178,8 +199,12 @@ std::string ControlPlane::Impl::handle(const std::string& line, const Caller& ca
   return response.is_null() ? std::string() : response.dump();
 }
 
-std::error_code ControlPlane::listen(const std::string& path) {
+std::error_code ControlPlane::listen(const std::string& path, size_t max_clients) {
   Impl& s = *impl_;
+  s.max_clients = max_clients;
+  // nbdkit's connections each hold a control connection for their whole life: some are kept
+  // back for operators, or enough NBD clients through nbdkit would lock them out.
+  s.service.set_max_subscribers(max_clients - std::min<size_t>(16, max_clients / 2));
   sockaddr_un addr{};
   addr.sun_family = AF_UNIX;
   if (path.size() >= sizeof addr.sun_path)
@@ -217,43 +242,77 @@ void ControlPlane::Impl::accept_loop() {
       ::close(fd);
       continue;
     }
+    if (clients.size() >= max_clients) {
+      refuse(fd, "too many control connections (" + std::to_string(max_clients) +
+                     " at once); try again later");
+      continue;
+    }
     clients.insert(fd);
-    std::thread([this, fd] { serve_client(fd); }).detach();
+    try {
+      std::thread([this, fd] { serve_client(fd); }).detach();
+    } catch (const std::system_error& e) {  // out of threads (pids limit, memory)
+      clients.erase(fd);
+      refuse(fd, std::string("cannot serve another control connection now: ") + e.what());
+    }
   }
+}
+
+// Tells a client it will not be served, without waiting on it, and closes it.
+void ControlPlane::Impl::refuse(int fd, const std::string& why) {
+  spdlog::warn("control: {}", why);
+  const std::string line =
+      error_response(nullptr, code_for("internal"), "internal", why).dump() + "\n";
+  (void)!::send(fd, line.data(), line.size(), MSG_NOSIGNAL | MSG_DONTWAIT);
+  ::close(fd);
 }
 
 namespace {
 
-// One control-socket client. Replies and notifications from other threads share the socket,
-// so every line goes out whole under one mutex.
+// One control-socket client. Replies (from its own thread) and notices (from the threads of
+// other clients' calls) share the socket, so every line goes out whole under one mutex. The
+// descriptor lives as long as this object, so a notice may shut it down at any time.
 class ClientConnection final : public Subscriber {
  public:
   explicit ClientConnection(int fd) : fd_(fd) {}
-  void notify(const std::string& line) override { send_line(line); }
-  // After this, lines for the client are dropped: its descriptor number may be reused.
-  void close() {
-    std::lock_guard lock(mutex_);
-    ::close(fd_);
-    fd_ = -1;
-  }
+  ~ClientConnection() override { ::close(fd_); }
+  ClientConnection(const ClientConnection&) = delete;
+  ClientConnection& operator=(const ClientConnection&) = delete;
+
+  // A reply waits for the client to take it, however long that is.
   void send_line(const std::string& line) {
     std::lock_guard lock(mutex_);
-    if (fd_ < 0) return;
-    std::string out = line + "\n";
-    const char* p = out.data();
-    size_t left = out.size();
-    while (left > 0) {
-      ssize_t w = ::send(fd_, p, left, MSG_NOSIGNAL);
-      if (w < 0 && errno == EINTR) continue;
-      if (w <= 0) return;  // the client is gone; its reader notices
-      p += w;
-      left -= static_cast<size_t>(w);
+    send_all(line + "\n", 0);
+  }
+
+  // A notice goes out from inside another client's call, which holds a volume's lock: it must
+  // not wait on this client. When it cannot go out at once (a reply to this client is stuck,
+  // or its socket is full), the link is cut instead. A subscriber (the nbdkit plugin) takes a
+  // broken link as a revocation, so the notice's meaning still arrives.
+  void notify(const std::string& line) override {
+    std::unique_lock lock(mutex_, std::defer_lock);
+    if (lock.try_lock_for(std::chrono::milliseconds(200)) && send_all(line + "\n", MSG_DONTWAIT)) {
+      return;
     }
+    spdlog::warn("control: a client does not take its notices; closing its connection");
+    ::shutdown(fd_, SHUT_RDWR);
   }
 
  private:
-  int fd_;
-  std::mutex mutex_;
+  bool send_all(const std::string& out, int flags) {
+    const char* p = out.data();
+    size_t left = out.size();
+    while (left > 0) {
+      ssize_t w = ::send(fd_, p, left, MSG_NOSIGNAL | flags);
+      if (w < 0 && errno == EINTR) continue;
+      if (w <= 0) return false;  // gone, or (MSG_DONTWAIT) full
+      p += w;
+      left -= static_cast<size_t>(w);
+    }
+    return true;
+  }
+
+  const int fd_;
+  std::timed_mutex mutex_;
 };
 
 }  // namespace
@@ -300,8 +359,7 @@ void ControlPlane::Impl::serve_client(int fd) {
     }
   }
   std::lock_guard lock(mutex);
-  clients.erase(fd);
-  connection->close();
+  clients.erase(fd);  // the descriptor closes with the last reference to `connection`
   idle.notify_all();
 }
 

@@ -4,10 +4,12 @@
 #include <spdlog/spdlog.h>
 #include <sys/random.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <ctime>
+#include <filesystem>
 #include <set>
 
 namespace shareblk::control {
@@ -180,6 +182,23 @@ std::string volume_status(const std::vector<AttachmentRow>& attachments) {
   return "available";
 }
 
+// A path as mountpoints are compared: absolute, with the symlinks of its existing part
+// resolved, no "." or "..", no trailing "/".
+std::filesystem::path comparable_path(const std::filesystem::path& path) {
+  std::error_code ec;
+  std::filesystem::path p = std::filesystem::weakly_canonical(path, ec);
+  if (ec) p = path.lexically_normal();
+  if (!p.has_filename() && p.has_relative_path()) p = p.parent_path();
+  return p;
+}
+
+// Whether one of two comparable paths is the other or inside it: a mount at either hides or
+// is hidden by a mount at the other.
+bool nested(const std::filesystem::path& a, const std::filesystem::path& b) {
+  auto [ia, ib] = std::mismatch(a.begin(), a.end(), b.begin(), b.end());
+  return ia == a.end() || ib == b.end();
+}
+
 ApiError store_error(const lvm::StoreError& e) {
   const int code = e.code.value();
   if (code == ENOSPC || code == EDQUOT || code == EFBIG) return ApiError("no_space", e.message);
@@ -190,7 +209,10 @@ ApiError store_error(const lvm::StoreError& e) {
 }  // namespace
 
 Service::Service(const std::string& db_path, lvm::VolumeStore& store, Policy policy)
-    : db_(db_path), store_(store), policy_(policy) {
+    : db_(db_path),
+      store_(store),
+      policy_(policy),
+      state_dir_(comparable_path(std::filesystem::absolute(db_path).parent_path())) {
   reconcile();
 }
 
@@ -213,7 +235,8 @@ void Service::bind(target::Server* server, Endpoints endpoints) {
     try {
       AttachmentRow copy = a;
       copy.attach_status = "reserved";  // connect() wants a state it may move from
-      connect(copy, v, Json::parse(a.connector));
+      Database::Transaction tx(db_);    // connect() checks the mountpoint against the others
+      connect(tx, copy, v, Json::parse(a.connector));
       spdlog::info("control: attachment {} mounted again at {}", a.id,
                    Json::parse(a.connector)["mountpoint"].get<std::string>());
     } catch (const std::exception& e) {
@@ -285,11 +308,38 @@ Json Service::call(const std::string& method, const Json& p, const Caller& calle
   throw ApiError("not_found", "unknown method '" + method + "'");
 }
 
+// The table holds an entry only while someone holds or waits for that volume's lock: ids come
+// from clients, unknown ones included, and an entry per id ever seen grew without bound. Every
+// holder and waiter shares one mutex, so changes to one volume are still serialized.
 std::shared_ptr<std::mutex> Service::volume_lock(const std::string& volume_id) {
   std::lock_guard lock(locks_mutex_);
-  auto& m = volume_locks_[volume_id];
-  if (!m) m = std::make_shared<std::mutex>();
+  std::weak_ptr<std::mutex>& entry = volume_locks_[volume_id];
+  if (auto m = entry.lock()) return m;
+  auto m = std::shared_ptr<std::mutex>(new std::mutex, [this, volume_id](std::mutex* last) {
+    {
+      std::lock_guard table(locks_mutex_);
+      auto it = volume_locks_.find(volume_id);
+      if (it != volume_locks_.end() && it->second.expired()) volume_locks_.erase(it);
+    }
+    delete last;
+  });
+  entry = m;
   return m;
+}
+
+size_t Service::volume_lock_count() const {
+  std::lock_guard lock(locks_mutex_);
+  return volume_locks_.size();
+}
+
+void Service::set_max_subscribers(size_t n) {
+  std::lock_guard lock(subscribers_mutex_);
+  max_subscribers_ = n;
+}
+
+size_t Service::subscriber_count() const {
+  std::lock_guard lock(subscribers_mutex_);
+  return subscribers_.size();
 }
 
 std::shared_ptr<backend::Volume> Service::open_volume(const std::string& volume_id, uint64_t size) {
@@ -535,7 +585,34 @@ Json Service::volume_update(const Json& p) {
 
 // --- Attachments ---
 
-void Service::connect(AttachmentRow& a, const VolumeRow& v, const Json& connector) {
+// A FUSE mount over another attachment's would be cleared by LocalAttach::mount (it takes it
+// for a stale one), and the other's detach would unmount this one; a mount in or over the
+// state directory would hide the database or the volumes. Refused as invalid_params, as a failed
+// mount is: the caller must name another mountpoint, while invalid_state is about the
+// attachment's own state. The caller's transaction holds the database (and so every
+// attachment_create and attachment_update) until the mount is recorded: no race between two.
+void Service::refuse_taken_mountpoint(Database::Transaction& tx, const AttachmentRow& a,
+                                      const std::string& mountpoint) {
+  const std::filesystem::path wanted = comparable_path(mountpoint);
+  if (nested(wanted, state_dir_)) {
+    invalid("mountpoint " + mountpoint + " overlaps the state directory " + state_dir_.string());
+  }
+  for (const AttachmentRow& other : tx.attachments()) {
+    if (other.id == a.id || !live(other) || other.connector.empty()) continue;
+    const Json c = Json::parse(other.connector);
+    if (c.value("transport", "") != "fuse" || !c.contains("mountpoint")) continue;
+    const std::string theirs = c["mountpoint"].get<std::string>();
+    if (nested(wanted, comparable_path(theirs))) {
+      std::string why = "mountpoint " + mountpoint;
+      why += " overlaps " + theirs;
+      why += " of attachment " + other.id;
+      invalid(why);
+    }
+  }
+}
+
+void Service::connect(Database::Transaction& tx, AttachmentRow& a, const VolumeRow& v,
+                      const Json& connector) {
   if (!connector.is_object()) invalid("connector must be an object");
   only_keys(connector, {"host", "ip", "transport", "initiator", "platform", "os_type", "multipath",
                         "mountpoint"});
@@ -548,6 +625,7 @@ void Service::connect(AttachmentRow& a, const VolumeRow& v, const Json& connecto
   } else if (transport == "fuse") {
     const std::string mountpoint = need_string(connector, "mountpoint");
     if (mountpoint.front() != '/') invalid("mountpoint must be an absolute path");
+    refuse_taken_mountpoint(tx, a, mountpoint);
   } else {
     invalid("connector transport must be \"tcp\", \"unix\" or \"fuse\"");
   }
@@ -576,7 +654,11 @@ void Service::connect(AttachmentRow& a, const VolumeRow& v, const Json& connecto
     std::lock_guard lock(mounts_mutex_);
     mounts_[a.id] = std::move(mount);
   }
-  Json stored = connector;
+  // A null value means absent (opt_string above): stored, it would read as a value later.
+  Json stored = Json::object();
+  for (const auto& [key, value] : connector.items()) {
+    if (!value.is_null()) stored[key] = value;
+  }
   stored["transport"] = transport;
   a.connector = stored.dump();
   a.attach_status = "attaching";
@@ -656,7 +738,7 @@ Json Service::attachment_create(const Json& p) {
   a.export_name = random_hex(16);  // 128 random bits: the name is the capability
   a.attach_status = "reserved";
   a.created_at = now_iso();
-  if (p.contains("connector") && !p["connector"].is_null()) connect(a, v, p["connector"]);
+  if (p.contains("connector") && !p["connector"].is_null()) connect(tx, a, v, p["connector"]);
   try {
     tx.insert_attachment(a);
     tx.commit();
@@ -689,7 +771,7 @@ Json Service::attachment_update(const Json& p) {
       connector.contains("host") && connector["host"].is_string()) {
     refuse_duplicate(tx.attachments(volume_id), a, connector["host"].get<std::string>());
   }
-  connect(a, v, connector);
+  connect(tx, a, v, connector);
   try {
     tx.update_attachment(a);
     tx.commit();
@@ -840,8 +922,22 @@ Json Service::export_resolve(const Json& p, const Caller& caller) {
   }
   if (!caller.subscriber.expired()) {
     {
+      // Every nbdkit connection resolves and then goes away: drop the subscribers that are
+      // gone, and register a client once per attachment, or the table grows with each call.
       std::lock_guard lock(subscribers_mutex_);
-      subscribers_.emplace(a.id, caller.subscriber);
+      std::erase_if(subscribers_, [](const auto& entry) { return entry.second.expired(); });
+      auto [first, last] = subscribers_.equal_range(a.id);
+      const bool known = std::any_of(first, last, [&](const auto& entry) {
+        return !entry.second.owner_before(caller.subscriber) &&
+               !caller.subscriber.owner_before(entry.second);
+      });
+      if (!known && subscribers_.size() >= max_subscribers_) {
+        throw ApiError("internal", "too many subscribed connections (" +
+                                       std::to_string(max_subscribers_) +
+                                       "); the rest of the control connections are kept for "
+                                       "operators");
+      }
+      if (!known) subscribers_.emplace(a.id, caller.subscriber);
     }
     // A detach that began before we subscribed has already sent its notices: look again.
     Database::Transaction tx(db_);
@@ -870,7 +966,8 @@ target::ExportCatalog::Lookup Service::resolve(const std::string& export_name,
     size = find_volume(tx, a.volume_id).size;
   }
   const Json connector = Json::parse(a.connector);
-  if (!peer.address.empty() && connector.contains("ip") &&
+  // A null ip, which older daemons stored, is no ip.
+  if (!peer.address.empty() && connector.contains("ip") && connector["ip"].is_string() &&
       !same_address(connector["ip"].get<std::string>(), peer.address)) {
     spdlog::warn("control: attachment {} refused a client from {} (connector ip {})", a.id,
                  peer.address, connector["ip"].get<std::string>());

@@ -1,6 +1,8 @@
 // Internal to control/: the attachment API's methods and state machine.
 #pragma once
 
+#include <cstdint>
+#include <filesystem>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -37,6 +39,14 @@ class Service {
 
   target::ExportCatalog::Lookup resolve(const std::string& export_name, const target::Peer& peer);
 
+  // Subscribers (export_resolve callers that stay connected: one per nbdkit connection) at
+  // most, so that they cannot take every control connection from the operators.
+  void set_max_subscribers(size_t n);
+
+  // For tests: entries in the per-volume lock table and in the revocation subscriber table.
+  size_t volume_lock_count() const;
+  size_t subscriber_count() const;
+
  private:
   Json volume_create(const Json& p);
   Json volume_list(const Json& p);
@@ -59,7 +69,10 @@ class Service {
   void forget_volume(const std::string& volume_id);
 
   // Validates a connector and moves the attachment to attaching; mounts a FUSE one.
-  void connect(AttachmentRow& a, const VolumeRow& v, const Json& connector);
+  void connect(Database::Transaction& tx, AttachmentRow& a, const VolumeRow& v,
+               const Json& connector);
+  void refuse_taken_mountpoint(Database::Transaction& tx, const AttachmentRow& a,
+                               const std::string& mountpoint);
   void unmount(const std::string& attachment_id, bool& lazy);
   void notify_revoked(const std::string& attachment_id);
   Json detach(const std::string& volume_id, const std::string& attachment_id);
@@ -77,9 +90,12 @@ class Service {
   Policy policy_;
   target::Server* server_ = nullptr;
   Endpoints endpoints_;
+  // The database's directory: the daemon's state directory (--state-dir), where no FUSE
+  // attachment may be mounted.
+  std::filesystem::path state_dir_;
 
-  std::mutex locks_mutex_;
-  std::map<std::string, std::shared_ptr<std::mutex>> volume_locks_;
+  mutable std::mutex locks_mutex_;
+  std::map<std::string, std::weak_ptr<std::mutex>> volume_locks_;  // see volume_lock()
   std::mutex open_mutex_;
   std::map<std::string, std::shared_ptr<backend::Volume>> open_volumes_;
 
@@ -87,8 +103,9 @@ class Service {
   std::mutex mounts_mutex_;
   std::map<std::string, std::unique_ptr<fuse::LocalAttach>> mounts_;
   // export_resolve callers (the nbdkit plugin) by attachment id, told when it is revoked.
-  std::mutex subscribers_mutex_;
+  mutable std::mutex subscribers_mutex_;
   std::multimap<std::string, std::weak_ptr<Subscriber>> subscribers_;
+  size_t max_subscribers_ = SIZE_MAX;
 };
 
 }  // namespace shareblk::control

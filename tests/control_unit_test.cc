@@ -17,6 +17,7 @@
 
 #include "control/control.h"
 #include "control/db.h"
+#include "control/service.h"
 #include "lvm/volume_store.h"
 #include "tests/support.h"
 
@@ -683,12 +684,13 @@ TEST_F(ControlPlaneTest, InvalidRequestsAreRefused) {
   EXPECT_EQ(error_code(R"(42)"), -32600);
   EXPECT_EQ(error_code(R"("volume_list")"), -32600);
   EXPECT_EQ(error_code(R"([])"), -32600);
-  // Deep nesting is a batch of one invalid request, not a stack overflow.
+  // Deep nesting is one invalid request, refused before anything is built from it: copying or
+  // dumping a deeply nested value would overflow the stack.
   Json nested =
       Json::parse(plane_->handle(std::string(100000, '[') + std::string(100000, ']'), caller_));
-  ASSERT_TRUE(nested.is_array());
-  ASSERT_EQ(nested.size(), 1u);
-  EXPECT_EQ(nested[0]["error"]["code"], -32600);
+  ASSERT_TRUE(nested.is_object()) << nested;
+  EXPECT_EQ(nested["error"]["code"], -32600);
+  EXPECT_EQ(nested["error"]["data"]["reason"], "invalid_params");
   EXPECT_EQ(error_code(R"({"jsonrpc":"2.0","id":1,"method":"volume_list","params":[]})"), -32602);
 
   Json unknown = Json::parse(plane_->handle(
@@ -840,6 +842,168 @@ TEST_F(ControlPlaneTest, AnAttachmentLeftDetachingIsDetachedAtOpen) {
   EXPECT_TRUE(a["detach_time"].is_string());
   EXPECT_EQ(volume_status(id), "available");
   ok("volume_delete", {{"volume_id", id}});
+}
+
+// --- Connectors ---
+
+// "ip": null is no ip: TCP clients from anywhere reach the attachment, as without one.
+TEST_F(ControlPlaneTest, ANullConnectorIpIsNoIp) {
+  const std::string id = create_volume()["id"];
+  Json a = attach(id, "instance-1",
+                  {{"connector", {{"host", "h"}, {"transport", "tcp"}, {"ip", nullptr}}}});
+  EXPECT_FALSE(a["connector"].contains("ip")) << a;
+  const std::string name = a["connection_info"]["data"]["export_name"];
+  const shareblk::target::Peer tcp_peer{"10.0.0.7"};
+  EXPECT_TRUE(plane_->catalog()->resolve(name, tcp_peer).found.has_value());
+  EXPECT_TRUE(plane_->catalog()->resolve(name, shareblk::target::Peer{}).found.has_value());
+
+  // A null ip that an older daemon stored is no ip either.
+  close();
+  {
+    shareblk::control::Database db(db_path());
+    shareblk::control::Database::Transaction tx(db);
+    auto row = tx.attachment(a["id"]);
+    ASSERT_TRUE(row.has_value());
+    row->connector = Json{{"host", "h"}, {"transport", "tcp"}, {"ip", nullptr}}.dump();
+    tx.update_attachment(*row);
+    tx.commit();
+  }
+  open();
+  EXPECT_TRUE(plane_->catalog()->resolve(name, tcp_peer).found.has_value());
+}
+
+// A FUSE mountpoint is refused, before anything is mounted, when a live attachment's mount is
+// there, above or below it, or when it is in the state directory (the database's).
+TEST_F(ControlPlaneTest, AFuseMountpointInUseOrInTheStateDirectoryIsRefused) {
+  const std::string id = create_volume("1M", /*multiattach=*/true)["id"];
+  shareblk::testing::TempDir elsewhere;
+  const std::string mnt = elsewhere / "mnt";  // never made: nothing can be mounted there
+  const std::string x = attach(id, "instance-1", {{"connector", unix_connector()}})["id"];
+  close();
+  {
+    // The unit tests mount nothing: X is given a FUSE connector as a mounted one has.
+    shareblk::control::Database db(db_path());
+    shareblk::control::Database::Transaction tx(db);
+    auto row = tx.attachment(x);
+    ASSERT_TRUE(row.has_value());
+    row->connector = Json{{"host", "compute-1"}, {"transport", "fuse"}, {"mountpoint", mnt}}.dump();
+    tx.update_attachment(*row);
+    tx.commit();
+  }
+  // Without bind(), which would mount X again.
+  plane_ = std::make_unique<ControlPlane>(db_path(), *store_, Policy{});
+  auto fuse_at = [](const std::string& mountpoint) {
+    return Json{{"host", "compute-2"}, {"transport", "fuse"}, {"mountpoint", mountpoint}};
+  };
+  // The refusal's message: invalid_params is checked here, the cause by the caller.
+  auto refusal = [&](const std::string& method, const Json& params) -> std::string {
+    Json response = request(method, params);
+    EXPECT_EQ(response["error"]["data"]["reason"], "invalid_params") << response;
+    return response["error"].value("message", "");
+  };
+  auto create_at = [&](const std::string& mountpoint) {
+    return refusal(
+        "attachment_create",
+        {{"volume_id", id}, {"instance_uuid", "instance-2"}, {"connector", fuse_at(mountpoint)}});
+  };
+  // All missing (x/.. too, for stat): a path not refused fails at the mount, never mounts.
+  for (const std::string& m :
+       {mnt, mnt + "/", elsewhere / "./mnt", mnt + "/inner", elsewhere / "x/.."}) {
+    EXPECT_NE(create_at(m).find(x), std::string::npos) << m;
+  }
+  const std::string y = attach(id, "instance-2")["id"];
+  EXPECT_NE(
+      refusal("attachment_update", {{"attachment_id", y}, {"connector", fuse_at(mnt)}}).find(x),
+      std::string::npos);
+  for (const std::string& m : {dir_ / "mnt", volumes_dir() + "/mnt", dir_ / "x/.."}) {
+    EXPECT_NE(create_at(m).find("state directory"), std::string::npos) << m;
+  }
+  EXPECT_EQ(attach_status(y), "reserved");
+
+  // Once X is detached its mountpoint is free: this one fails later, at the mount.
+  ok("attachment_delete", {{"attachment_id", x}});
+  EXPECT_EQ(create_at(mnt).find(x), std::string::npos);
+}
+
+// --- What clients can make the daemon keep ---
+
+class NullSubscriber : public shareblk::control::Subscriber {
+ public:
+  void notify(const std::string&) override { ++notices; }
+  int notices = 0;
+};
+
+// A Service driven directly, for the tables a ControlPlane does not show.
+class ServiceTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    shareblk::lvm::StoreError error;
+    store_ = shareblk::lvm::make_file_store(dir_ / "volumes", error);
+    ASSERT_TRUE(store_) << error.message;
+    service_ =
+        std::make_unique<shareblk::control::Service>(dir_ / "shareblk.db", *store_, Policy{});
+    service_->bind(nullptr, Endpoints{kUnixSocket, kTcpEndpoint});
+  }
+  Json call(const std::string& method, const Json& params) {
+    return service_->call(method, params, caller_);
+  }
+  std::string reason(const std::string& method, const Json& params) {
+    try {
+      call(method, params);
+    } catch (const shareblk::control::ApiError& e) {
+      return e.reason;
+    }
+    return "(succeeded)";
+  }
+
+  shareblk::testing::TempDir dir_;
+  std::unique_ptr<shareblk::lvm::VolumeStore> store_;
+  std::unique_ptr<shareblk::control::Service> service_;
+  shareblk::control::Caller caller_{1234, 1000};
+};
+
+TEST_F(ServiceTest, UnknownVolumeIdsLeaveNoLockBehind) {
+  for (int i = 0; i < 200; ++i) {
+    const std::string bogus = "no-such-volume-" + std::to_string(i);
+    EXPECT_EQ(reason("volume_update", {{"volume_id", bogus}, {"bootable", true}}), "not_found");
+    EXPECT_EQ(reason("volume_extend", {{"volume_id", bogus}, {"size", "2M"}}), "not_found");
+    EXPECT_EQ(reason("volume_delete", {{"volume_id", bogus}}), "not_found");
+    EXPECT_EQ(reason("volume_detach", {{"volume_id", bogus}}), "not_found");
+    EXPECT_EQ(reason("attachment_create", {{"volume_id", bogus}, {"instance_uuid", "i"}}),
+              "not_found");
+  }
+  EXPECT_EQ(service_->volume_lock_count(), 0u);
+  // Nor does a volume once its calls are answered, deleted or not.
+  const std::string id = call("volume_create", {{"name", "v"}, {"size", "1M"}})["id"];
+  call("volume_update", {{"volume_id", id}, {"bootable", true}});
+  const std::string a =
+      call("attachment_create", {{"volume_id", id}, {"instance_uuid", "i"}})["id"];
+  call("attachment_delete", {{"attachment_id", a}});
+  call("volume_delete", {{"volume_id", id}});
+  EXPECT_EQ(service_->volume_lock_count(), 0u);
+}
+
+TEST_F(ServiceTest, ExportResolveKeepsOneEntryPerLiveSubscriber) {
+  const std::string id = call("volume_create", {{"name", "v"}, {"size", "1M"}})["id"];
+  Json a = call("attachment_create", {{"volume_id", id},
+                                      {"instance_uuid", "i"},
+                                      {"connector", {{"host", "h"}, {"transport", "unix"}}}});
+  const Json resolve{{"export_name", a["connection_info"]["data"]["export_name"]}};
+  // Each nbdkit connection is a control client of its own, gone when the connection is.
+  for (int i = 0; i < 1000; ++i) {
+    auto gone = std::make_shared<NullSubscriber>();
+    caller_.subscriber = gone;
+    call("export_resolve", resolve);
+  }
+  EXPECT_LE(service_->subscriber_count(), 1u);
+  // One client resolving again and again is one subscriber, told of the revocation once.
+  auto kept = std::make_shared<NullSubscriber>();
+  caller_.subscriber = kept;
+  for (int i = 0; i < 100; ++i) call("export_resolve", resolve);
+  EXPECT_EQ(service_->subscriber_count(), 1u);
+  call("attachment_delete", {{"attachment_id", a["id"]}});
+  EXPECT_EQ(kept->notices, 1);
+  EXPECT_EQ(service_->subscriber_count(), 0u);
 }
 
 }  // namespace
