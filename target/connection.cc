@@ -280,13 +280,6 @@ bool Connection::begin_request(const nbd::Request& h) {
       err = EINVAL;  // unknown command
   }
   if (h.flags & ~allowed_flags(h.type, session_.structured_replies)) err = EINVAL;
-  // A change from a read-only attachment gets EPERM before any other error (bad flags, too
-  // large): what the client must learn is that it may not write here. The backend's admission
-  // rule decides, as it does again on the I/O path.
-  if (const std::optional<backend::Op> op = op_of(h.type);
-      op && handle_.admit(*op, h.offset, h.length) == EPERM) {
-    err = EPERM;  // only changes get EPERM from admission
-  }
   const bool has_payload = h.type == kCmdWrite;
   const bool needs_buffer = has_payload || h.type == kCmdRead;
   if (!err && needs_buffer && h.length > kMaxPayload) err = EOVERFLOW;
@@ -301,6 +294,14 @@ bool Connection::begin_request(const nbd::Request& h) {
       inflight_bytes_ += h.length;
       worker_.payload_taken(h.length);
     }
+  }
+  // A change from a read-only attachment gets EPERM before any other error (bad flags, too
+  // large): what the client must learn is that it may not write here. The backend's admission
+  // rule decides; a request with no other error meets it on the I/O path, so only a request
+  // refused here is asked.
+  if (const std::optional<backend::Op> op = op_of(h.type);
+      err != 0 && op && handle_.admit(*op, h.offset, h.length) == EPERM) {
+    err = EPERM;  // only changes get EPERM from admission
   }
   if (err) {
     if (has_payload && h.length > 0) {

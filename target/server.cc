@@ -239,22 +239,19 @@ void Server::Impl::accept_loop(Listener& listener) {
       ::close(fd);
       continue;
     }
-    ++open_connections;
-    ++handshakes;
-    handshake_fds.insert(fd);
-    lock.unlock();
+    // Started under the lock, which the handshake takes only at its end: the connection is
+    // counted before that, and only once its thread exists.
     try {
       std::thread([this, fd, tcp = listener.tcp] { handshake(fd, tcp); }).detach();
     } catch (const std::system_error& e) {  // out of threads (pids limit, memory)
-      spdlog::warn("nbd: refusing connection: cannot start its handshake: {}", e.what());
-      lock.lock();
-      --open_connections;
-      --handshakes;
-      handshake_fds.erase(fd);
-      changed.notify_all();
       lock.unlock();
+      spdlog::warn("nbd: refusing connection: cannot start its handshake: {}", e.what());
       ::close(fd);
+      continue;
     }
+    ++open_connections;
+    ++handshakes;
+    handshake_fds.insert(fd);
   }
 }
 

@@ -98,6 +98,25 @@ bool send_request(int fd, uint16_t type, uint64_t cookie, uint64_t offset, uint3
   return send_all(fd, header, sizeof header);
 }
 
+// Sends a WRITE of `total` bytes and the first `part` of its payload, waits until the rest is an
+// armed receive, then holds the worker in a task while `part` more bytes arrive and the
+// connection's group is closed (`now`: abort, else drain). When the task returns, the re-armed
+// wakeup completes at submission, ahead of the receive: the worker runs the close first and
+// then the receive, in one batch of completions.
+bool close_group_mid_payload(WorkerOnAFile& w, int client, uint32_t total, size_t part, bool now) {
+  const std::string bytes(part, 'w');
+  if (!send_request(client, nbd::kCmdWrite, 1, 0, total) ||
+      !send_all(client, bytes.data(), bytes.size())) {
+    return false;
+  }
+  std::this_thread::sleep_for(50ms);
+  w.worker().post([](target::Worker&) { std::this_thread::sleep_for(200ms); });
+  std::this_thread::sleep_for(50ms);
+  if (!send_all(client, bytes.data(), bytes.size())) return false;
+  w.worker().close_group("group", now);
+  return true;
+}
+
 // A request that completes inside dispatch (here: refused at admission, a read-only export)
 // while the connection is already aborted must not close it under the receive handler that
 // dispatched it. The worker runs the abort first and then the receive that completes the
@@ -109,17 +128,8 @@ TEST(ConnectionTest, AbortBeforeTheLastPayloadBytesArrive) {
   const int client = w.connect(backend::AttachMode::ReadOnly);
   ASSERT_GE(client, 0);
 
-  const std::string half(4096, 'w');
-  ASSERT_TRUE(send_request(client, nbd::kCmdWrite, 1, 0, 8192));
-  ASSERT_TRUE(send_all(client, half.data(), half.size()));
-  std::this_thread::sleep_for(50ms);  // the rest of the payload is now an armed receive
-
-  // Hold the worker in a task; meanwhile the payload's end arrives and the abort is posted.
-  // When the task returns, the re-armed wakeup completes at submission, ahead of the receive.
-  w.worker().post([](target::Worker&) { std::this_thread::sleep_for(200ms); });
-  std::this_thread::sleep_for(50ms);
-  ASSERT_TRUE(send_all(client, half.data(), half.size()));
-  w.worker().close_group("group", /*now=*/true);
+  // The abort runs first, then the receive that completes the payload (its second half).
+  ASSERT_TRUE(close_group_mid_payload(w, client, 8192, 4096, /*now=*/true));
 
   EXPECT_TRUE(w.registry().wait(1, 5s)) << "the connection did not close";
   w.worker().stop();
@@ -136,16 +146,8 @@ TEST(ConnectionTest, DrainWhileAWritePayloadIsHalfIn) {
   const int client = w.connect(backend::AttachMode::ReadWrite);
   ASSERT_GE(client, 0);
 
-  const std::string quarter(4096, 'w');
-  ASSERT_TRUE(send_request(client, nbd::kCmdWrite, 1, 0, 16384));
-  ASSERT_TRUE(send_all(client, quarter.data(), quarter.size()));
-  std::this_thread::sleep_for(50ms);  // the rest of the payload is now an armed receive
-
   // The drain runs first, then the receive completes with a second quarter, not the rest.
-  w.worker().post([](target::Worker&) { std::this_thread::sleep_for(200ms); });
-  std::this_thread::sleep_for(50ms);
-  ASSERT_TRUE(send_all(client, quarter.data(), quarter.size()));
-  w.worker().close_group("group", /*now=*/false);
+  ASSERT_TRUE(close_group_mid_payload(w, client, 16384, 4096, /*now=*/false));
 
   EXPECT_TRUE(w.registry().wait(1, 5s)) << "the connection did not close";
   w.worker().stop();
