@@ -265,19 +265,11 @@ bool Connection::begin_request(const nbd::Request& h) {
   ++inflight_;
 
   int err = 0;
-  switch (h.type) {
-    case kCmdRead:
-    case kCmdWrite:
-    case kCmdFlush:
-    case kCmdTrim:
-    case kCmdCache:
-    case kCmdWriteZeroes:
-      break;
-    case kCmdBlockStatus:
-      if (!session_.base_allocation) err = EINVAL;  // no metadata context was negotiated
-      break;
-    default:
-      err = EINVAL;  // unknown command
+  const std::optional<backend::Op> op = op_of(h.type);
+  if (h.type == kCmdBlockStatus) {
+    if (!session_.base_allocation) err = EINVAL;  // no metadata context was negotiated
+  } else if (!op) {
+    err = EINVAL;  // unknown command
   }
   if (h.flags & ~allowed_flags(h.type, session_.structured_replies)) err = EINVAL;
   const bool has_payload = h.type == kCmdWrite;
@@ -299,8 +291,7 @@ bool Connection::begin_request(const nbd::Request& h) {
   // large): what the client must learn is that it may not write here. The backend's admission
   // rule decides; a request with no other error meets it on the I/O path, so only a request
   // refused here is asked.
-  if (const std::optional<backend::Op> op = op_of(h.type);
-      err != 0 && op && handle_.admit(*op, h.offset, h.length) == EPERM) {
+  if (err != 0 && op && handle_.admit(*op, h.offset, h.length) == EPERM) {
     err = EPERM;  // only changes get EPERM from admission
   }
   if (err) {
