@@ -88,6 +88,8 @@ int run(int argc, char** argv) {
     ("max-connections", po::value<unsigned>()->default_value(1024), "connections at most")
     ("handshake-timeout-ms", po::value<unsigned>()->default_value(30000),
      "milliseconds a client has for its whole handshake")
+    ("send-timeout-ms", po::value<unsigned>()->default_value(30000),
+     "milliseconds a client may take none of its replies before it is cut off (0 = never)")
     ("payload-memory-mib", po::value<uint64_t>()->default_value(0),
      "MiB of request payloads all NBD connections may hold at once (0 = a quarter of RAM)")
     ("max-control-connections", po::value<unsigned>()->default_value(4096),
@@ -128,6 +130,7 @@ int run(int argc, char** argv) {
     std::cerr << "shareblkd: --handshake-timeout-ms must be at least 1\n";
     return 2;
   }
+  options.send_timeout = std::chrono::milliseconds(vm["send-timeout-ms"].as<unsigned>());
   sigset_t signals = block_signals();
 
   std::shared_ptr<target::ExportCatalog> catalog;

@@ -469,13 +469,18 @@ void Connection::flush() {
   if (sent < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
     worker_.ring().sendmsg(fd_, &send_msg_, &send_done_);  // sent when there is room
     send_pending_ = true;
+    send_posted_ = std::chrono::steady_clock::now();
+    worker_.send_queued();
     return;
   }
   on_sent(sent < 0 ? -errno : static_cast<int>(sent));  // may delete this
 }
 
 void Connection::on_sent(int res) {
-  send_pending_ = false;
+  if (send_pending_) {
+    send_pending_ = false;
+    worker_.send_ended();
+  }
   if (res == -EINTR || res == -EAGAIN) {
     send_more();
     return;

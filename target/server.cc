@@ -300,7 +300,7 @@ std::error_code Server::start(std::string& what) {
              static_cast<uint64_t>(::sysconf(_SC_PAGESIZE)) / 4;
   }
   for (unsigned i = 0; i < count; ++i) {
-    auto w = std::make_unique<Worker>(s, memory / count);
+    auto w = std::make_unique<Worker>(s, memory / count, s.options.send_timeout);
     if (std::error_code ec = w->start()) {
       what = "io_uring worker";
       return ec;

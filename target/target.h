@@ -69,6 +69,8 @@ struct ServerOptions {
   uint64_t payload_memory = 0;
   // How long close_group() lets a connection finish its requests before cutting it off.
   std::chrono::milliseconds close_grace{10000};
+  // A connection whose client takes none of its replies for this long is cut off; 0 = never.
+  std::chrono::milliseconds send_timeout{30000};
 };
 
 class Server {

@@ -78,8 +78,9 @@ void BufferPool::release(Buffer buf) {
 
 // --- Worker ---
 
-Worker::Worker(ConnectionRegistry& registry, uint64_t payload_budget)
-    : registry_(registry), payload_budget_(payload_budget) {
+Worker::Worker(ConnectionRegistry& registry, uint64_t payload_budget,
+               std::chrono::milliseconds send_timeout)
+    : registry_(registry), payload_budget_(payload_budget), send_timeout_(send_timeout) {
   wakeup_.worker = this;
 }
 
@@ -113,7 +114,7 @@ void Worker::run(std::promise<std::error_code>* started) {
   ring_->read(event_fd_, &event_value_, sizeof event_value_, &wakeup_);
   started->set_value({});
   while (!(stopping_ && connections_.empty())) {
-    int rc = ring_->run_once();
+    int rc = ring_->run_once(wait_timeout_ms());
     if (rc < 0) {
       spdlog::error("worker: io_uring wait failed: {}", std::strerror(-rc));
       break;
@@ -134,9 +135,32 @@ void Worker::run(std::promise<std::error_code>* started) {
       }
       resuming_.clear();
     }
+    if (queued_sends_ > 0 && send_timeout_.count() > 0) cut_off_stalled_clients();
   }
   pool_.use_ring(nullptr);
   ring_.reset();  // cancels the eventfd read
+}
+
+// Sleeping without a timeout is the common case; only while some socket is full does the
+// worker wake up now and then to look for clients that stopped taking their replies.
+int Worker::wait_timeout_ms() const {
+  if (queued_sends_ == 0 || send_timeout_.count() <= 0) return -1;
+  return static_cast<int>(std::clamp<int64_t>(send_timeout_.count() / 4, 10, 1000));
+}
+
+void Worker::cut_off_stalled_clients() {
+  const auto now = std::chrono::steady_clock::now();
+  if (now < next_stall_check_) return;
+  next_stall_check_ = now + std::chrono::milliseconds(wait_timeout_ms());
+  std::vector<Connection*> stalled;
+  for (Connection* c : connections_) {
+    if (c->send_stalled_since(now - send_timeout_)) stalled.push_back(c);
+  }
+  for (Connection* c : stalled) {
+    spdlog::warn("nbd: a client of {} took none of its replies for {} ms; cutting it off",
+                 c->group(), send_timeout_.count());
+    c->abort();  // the pending send ends with EPIPE, and the connection closes after it
+  }
 }
 
 void Worker::stop() {

@@ -5,6 +5,7 @@
 #include <sys/uio.h>
 
 #include <array>
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <future>
@@ -106,6 +107,11 @@ class Connection {
   void flush();
   // Reads requests again after waiting for the worker's payload budget.
   void resume();
+  // True when a send has waited for room in the socket since before `since`: the client has
+  // taken none of its replies for that long.
+  bool send_stalled_since(std::chrono::steady_clock::time_point since) const {
+    return send_pending_ && !broken_ && send_posted_ < since;
+  }
 
  private:
   struct RecvCompletion final : backend::Completion {
@@ -168,6 +174,7 @@ class Connection {
   Request* sendq_head_ = nullptr;
   Request* sendq_tail_ = nullptr;
   bool send_pending_ = false;
+  std::chrono::steady_clock::time_point send_posted_;  // when the pending send was queued
   bool flush_scheduled_ = false;
   bool waiting_for_budget_ = false;
   static constexpr int kMaxSendIov = 256;
@@ -198,8 +205,13 @@ class ConnectionRegistry {
 class Worker {
  public:
   // `payload_budget`: payload bytes all of this worker's connections may hold at once.
-  Worker(ConnectionRegistry& registry, uint64_t payload_budget = kDefaultPayloadBudget);
+  // `send_timeout`: a connection whose client takes none of its replies for this long is cut
+  // off (0 = never), so that a hung client cannot keep its buffers, and with them the
+  // budget of the other connections here, for ever.
+  Worker(ConnectionRegistry& registry, uint64_t payload_budget = kDefaultPayloadBudget,
+         std::chrono::milliseconds send_timeout = kDefaultSendTimeout);
   static constexpr uint64_t kDefaultPayloadBudget = 1ull << 30;
+  static constexpr std::chrono::milliseconds kDefaultSendTimeout{30000};
   ~Worker();
   Worker(const Worker&) = delete;
   Worker& operator=(const Worker&) = delete;
@@ -233,6 +245,9 @@ class Worker {
   // `c` stopped reading for the budget: it resumes once the budget has room again.
   void wait_for_budget(Connection* c);
   void cancel_wait_for_budget(Connection* c);
+  // A connection queued a send on the ring because its socket was full / that send ended.
+  void send_queued() { ++queued_sends_; }
+  void send_ended() { --queued_sends_; }
 
  private:
   struct Wakeup final : backend::Completion {
@@ -241,6 +256,8 @@ class Worker {
   };
   void run(std::promise<std::error_code>* started);
   void on_wakeup(int res);
+  int wait_timeout_ms() const;
+  void cut_off_stalled_clients();
 
   ConnectionRegistry& registry_;
   std::unique_ptr<backend::Ring> ring_;
@@ -259,6 +276,9 @@ class Worker {
   uint64_t payload_bytes_ = 0;
   std::vector<Connection*> budget_waiters_;
   std::vector<Connection*> resuming_;
+  const std::chrono::milliseconds send_timeout_;
+  size_t queued_sends_ = 0;  // sends waiting on the ring for room in their socket
+  std::chrono::steady_clock::time_point next_stall_check_;
   bool stopping_ = false;
 };
 

@@ -5,6 +5,7 @@
 #include <sys/time.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <condition_variable>
 #include <future>
@@ -56,9 +57,10 @@ bool send_all(int fd, const void* data, size_t size) {
 // A real Worker serving one file of `size` bytes; clients connect over socketpairs.
 class WorkerOnAFile {
  public:
-  explicit WorkerOnAFile(uint64_t size,
-                         uint64_t payload_budget = target::Worker::kDefaultPayloadBudget)
-      : worker_(registry_, payload_budget) {
+  explicit WorkerOnAFile(
+      uint64_t size, uint64_t payload_budget = target::Worker::kDefaultPayloadBudget,
+      std::chrono::milliseconds send_timeout = target::Worker::kDefaultSendTimeout)
+      : worker_(registry_, payload_budget, send_timeout) {
     make_file(path(), size);
     std::error_code ec;
     volume_ = backend::Volume::open(path(), ec);
@@ -197,6 +199,77 @@ TEST(ConnectionTest, ClientsThatTakeNoRepliesStayWithinTheWorkersBudget) {
   EXPECT_EQ(reply.substr(16), std::string(4096, '\0'));
   EXPECT_TRUE(w.registry().wait(4, 5s)) << "the greedy connections did not close";
   EXPECT_EQ(payload_bytes(), 0u);
+  w.worker().stop();
+  ::close(client);
+}
+
+// The same greedy clients, but hung rather than gone: they never read and never close. Before
+// the send timeout, the reading client waited behind them for as long as they lived.
+TEST(ConnectionTest, ClientsThatTakeNoRepliesAreCutOffAfterTheSendTimeout) {
+  constexpr uint64_t kBudget = 64 << 20;
+  constexpr uint32_t kRead = 32 << 20;
+  WorkerOnAFile w(256 << 20, kBudget, 500ms);
+  ASSERT_TRUE(w.started());
+  std::vector<int> hung;
+  for (int c = 0; c < 4; ++c) {
+    hung.push_back(w.connect(backend::AttachMode::ReadOnly));
+    ASSERT_GE(hung.back(), 0);
+    for (uint64_t i = 0; i < 8; ++i) {
+      ASSERT_TRUE(send_request(hung.back(), nbd::kCmdRead, i, i * kRead, kRead));
+    }
+  }
+  std::this_thread::sleep_for(200ms);
+
+  const int client = w.connect(backend::AttachMode::ReadOnly);
+  ASSERT_GE(client, 0);
+  ASSERT_TRUE(send_request(client, nbd::kCmdRead, 99, 0, 4096));
+  std::string reply(16 + 4096, '\0');
+  timeval tv{10, 0};
+  ::setsockopt(client, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+  ASSERT_EQ(::recv(client, reply.data(), reply.size(), MSG_WAITALL),
+            static_cast<ssize_t>(reply.size()))
+      << "the reading client was not served while the hung clients held the budget";
+  EXPECT_EQ(reply.substr(16), std::string(4096, '\0'));
+  EXPECT_TRUE(w.registry().wait(4, 5s)) << "the hung connections were not cut off";
+
+  // A hung client finds its connection closed: what it had not taken, then end-of-file.
+  timeval short_wait{5, 0};
+  ::setsockopt(hung[0], SOL_SOCKET, SO_RCVTIMEO, &short_wait, sizeof short_wait);
+  std::string sink(1 << 20, '\0');
+  ssize_t n = 0;
+  while ((n = ::recv(hung[0], sink.data(), sink.size(), 0)) > 0) {
+  }
+  EXPECT_EQ(n, 0) << "no end-of-file on a cut-off connection";
+  w.worker().stop();
+  for (int fd : hung) ::close(fd);
+  ::close(client);
+}
+
+// A client that takes its replies slowly is not hung: every send that makes progress starts
+// the timeout again, and a 4 MiB reply read in 64 KiB steps outlasts the timeout several times.
+TEST(ConnectionTest, ASlowReaderIsNotCutOff) {
+  constexpr uint32_t kRead = 4 << 20;
+  WorkerOnAFile w(8 << 20, target::Worker::kDefaultPayloadBudget, 1000ms);
+  ASSERT_TRUE(w.started());
+  make_file(w.path(), 8 << 20, 's');  // same inode: the open volume sees it
+  const int client = w.connect(backend::AttachMode::ReadOnly);
+  ASSERT_GE(client, 0);
+  ASSERT_TRUE(send_request(client, nbd::kCmdRead, 1, 0, kRead));
+
+  timeval tv{5, 0};
+  ::setsockopt(client, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+  std::string got;
+  std::string step(64 << 10, '\0');
+  const auto start = std::chrono::steady_clock::now();
+  while (got.size() < 16 + kRead) {
+    const size_t want = std::min(step.size(), 16 + kRead - got.size());
+    const ssize_t n = ::recv(client, step.data(), want, 0);
+    ASSERT_GT(n, 0) << "the connection ended after " << got.size() << " bytes";
+    got.append(step.data(), static_cast<size_t>(n));
+    std::this_thread::sleep_for(50ms);
+  }
+  EXPECT_GT(std::chrono::steady_clock::now() - start, 2s) << "the reader was not slow";
+  EXPECT_EQ(got.substr(16), std::string(kRead, 's'));
   w.worker().stop();
   ::close(client);
 }

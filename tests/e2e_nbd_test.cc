@@ -1442,6 +1442,36 @@ TEST_F(E2eTest, PipelinedLargeReadsStayWithinTheServerMemoryBound) {
   expect_serving();
 }
 
+// A client that stays connected but takes none of its replies (a hung initiator) is cut off
+// after --send-timeout-ms, and the daemon goes on serving others. Before, it kept its
+// connection, and the buffers behind it, for as long as it lived.
+TEST_F(E2eTest, AClientThatTakesNoRepliesIsCutOff) {
+  const std::string socket = dir_ / "hung.sock";
+  Daemon daemon({"--export", "disk=" + disk_, "--listen-unix", socket, "--send-timeout-ms", "500"},
+                socket);
+  RawClient c(socket);
+  ASSERT_TRUE(handshake(c, "disk"));
+  std::string requests;
+  for (uint64_t cookie = 1; cookie <= 64; ++cookie) {
+    uint8_t request[nbd::kRequestSize];
+    nbd::encode_request(request, nbd::Request{nbd::kRequestMagic, 0, nbd::kCmdRead, cookie,
+                                              (cookie % 2) * nbd::kMaxPayload, nbd::kMaxPayload});
+    requests.append(reinterpret_cast<char*>(request), sizeof request);
+  }
+  ASSERT_TRUE(c.send_all(requests));
+  std::this_thread::sleep_for(2s);  // takes nothing
+
+  // What was already in the socket, then end-of-file.
+  EXPECT_TRUE(c.closed_by_server(10s)) << "the hung client was not cut off";
+  EXPECT_NE(daemon.log().find("took none of its replies for 500 ms"), std::string::npos)
+      << daemon.log();
+  Nbd h = open_nbd(socket, "disk");
+  ASSERT_TRUE(h);
+  EXPECT_EQ(nbd_read(h.get(), 0, 4096), std::string(4096, '\0'));
+  h.reset();
+  EXPECT_EQ(daemon.stop(SIGTERM), 0) << daemon.log();
+}
+
 // More requests pipelined than the server takes from one client at a time: it takes the rest
 // as replies drain, and answers every one.
 TEST_F(E2eTest, ThousandsOfPipelinedRequestsAreAllAnswered) {
