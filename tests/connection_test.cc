@@ -100,6 +100,34 @@ bool send_request(int fd, uint16_t type, uint64_t cookie, uint64_t offset, uint3
   return send_all(fd, header, sizeof header);
 }
 
+// The data of one simple READ reply of `length` bytes, waiting up to `wait` for it; empty when
+// it does not come whole.
+std::string recv_read_reply(int fd, size_t length, std::chrono::seconds wait) {
+  std::string reply(16 + length, '\0');
+  timeval tv{static_cast<time_t>(wait.count()), 0};
+  ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+  if (::recv(fd, reply.data(), reply.size(), MSG_WAITALL) != static_cast<ssize_t>(reply.size())) {
+    return {};
+  }
+  return reply.substr(16);
+}
+
+// Four clients that each send eight 32 MiB READs and never read a reply; their ends, or
+// fewer on failure.
+std::vector<int> greedy_clients(WorkerOnAFile& w) {
+  constexpr uint32_t kRead = 32 << 20;
+  std::vector<int> clients;
+  for (int c = 0; c < 4; ++c) {
+    const int fd = w.connect(backend::AttachMode::ReadOnly);
+    if (fd < 0) return clients;
+    clients.push_back(fd);
+    for (uint64_t i = 0; i < 8; ++i) {
+      if (!send_request(fd, nbd::kCmdRead, i, i * kRead, kRead)) return clients;
+    }
+  }
+  return clients;
+}
+
 // Sends a WRITE of `total` bytes and the first `part` of its payload, waits until the rest is an
 // armed receive, then holds the worker in a task while `part` more bytes arrive and the
 // connection's group is closed (`now`: abort, else drain). When the task returns, the re-armed
@@ -172,15 +200,8 @@ TEST(ConnectionTest, ClientsThatTakeNoRepliesStayWithinTheWorkersBudget) {
     return bytes.get_future().get();
   };
 
-  // Four greedy clients, eight 32 MiB READs each, replies never read.
-  std::vector<int> greedy;
-  for (int c = 0; c < 4; ++c) {
-    greedy.push_back(w.connect(backend::AttachMode::ReadOnly));
-    ASSERT_GE(greedy.back(), 0);
-    for (uint64_t i = 0; i < 8; ++i) {
-      ASSERT_TRUE(send_request(greedy.back(), nbd::kCmdRead, i, i * kRead, kRead));
-    }
-  }
+  const std::vector<int> greedy = greedy_clients(w);
+  ASSERT_EQ(greedy.size(), 4u);
   std::this_thread::sleep_for(500ms);
   // At most one request past the budget: the check comes before each request.
   EXPECT_LE(payload_bytes(), kBudget + kRead);
@@ -190,13 +211,8 @@ TEST(ConnectionTest, ClientsThatTakeNoRepliesStayWithinTheWorkersBudget) {
   ASSERT_GE(client, 0);
   ASSERT_TRUE(send_request(client, nbd::kCmdRead, 99, 0, 4096));
   for (int fd : greedy) ::close(fd);
-  std::string reply(16 + 4096, '\0');
-  timeval tv{5, 0};
-  ::setsockopt(client, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
-  ASSERT_EQ(::recv(client, reply.data(), reply.size(), MSG_WAITALL),
-            static_cast<ssize_t>(reply.size()))
+  EXPECT_EQ(recv_read_reply(client, 4096, 5s), std::string(4096, '\0'))
       << "the waiting client was not served";
-  EXPECT_EQ(reply.substr(16), std::string(4096, '\0'));
   EXPECT_TRUE(w.registry().wait(4, 5s)) << "the greedy connections did not close";
   EXPECT_EQ(payload_bytes(), 0u);
   w.worker().stop();
@@ -207,29 +223,17 @@ TEST(ConnectionTest, ClientsThatTakeNoRepliesStayWithinTheWorkersBudget) {
 // the send timeout, the reading client waited behind them for as long as they lived.
 TEST(ConnectionTest, ClientsThatTakeNoRepliesAreCutOffAfterTheSendTimeout) {
   constexpr uint64_t kBudget = 64 << 20;
-  constexpr uint32_t kRead = 32 << 20;
   WorkerOnAFile w(256 << 20, kBudget, 500ms);
   ASSERT_TRUE(w.started());
-  std::vector<int> hung;
-  for (int c = 0; c < 4; ++c) {
-    hung.push_back(w.connect(backend::AttachMode::ReadOnly));
-    ASSERT_GE(hung.back(), 0);
-    for (uint64_t i = 0; i < 8; ++i) {
-      ASSERT_TRUE(send_request(hung.back(), nbd::kCmdRead, i, i * kRead, kRead));
-    }
-  }
+  const std::vector<int> hung = greedy_clients(w);
+  ASSERT_EQ(hung.size(), 4u);
   std::this_thread::sleep_for(200ms);
 
   const int client = w.connect(backend::AttachMode::ReadOnly);
   ASSERT_GE(client, 0);
   ASSERT_TRUE(send_request(client, nbd::kCmdRead, 99, 0, 4096));
-  std::string reply(16 + 4096, '\0');
-  timeval tv{10, 0};
-  ::setsockopt(client, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
-  ASSERT_EQ(::recv(client, reply.data(), reply.size(), MSG_WAITALL),
-            static_cast<ssize_t>(reply.size()))
+  EXPECT_EQ(recv_read_reply(client, 4096, 10s), std::string(4096, '\0'))
       << "the reading client was not served while the hung clients held the budget";
-  EXPECT_EQ(reply.substr(16), std::string(4096, '\0'));
   EXPECT_TRUE(w.registry().wait(4, 5s)) << "the hung connections were not cut off";
 
   // A hung client finds its connection closed: what it had not taken, then end-of-file.
