@@ -90,6 +90,9 @@ int run(int argc, char** argv) {
      "milliseconds a client has for its whole handshake")
     ("send-timeout-ms", po::value<unsigned>()->default_value(30000),
      "milliseconds a client may take none of its replies before it is cut off (0 = never)")
+    ("peer-timeout-ms", po::value<unsigned>()->default_value(60000),
+     "milliseconds a TCP client's host may stay silent before its connection is dropped "
+     "(0 = the kernel's defaults)")
     ("payload-memory-mib", po::value<uint64_t>()->default_value(0),
      "MiB of request payloads all NBD connections may hold at once (0 = a quarter of RAM)")
     ("max-control-connections", po::value<unsigned>()->default_value(4096),
@@ -131,6 +134,7 @@ int run(int argc, char** argv) {
     return 2;
   }
   options.send_timeout = std::chrono::milliseconds(vm["send-timeout-ms"].as<unsigned>());
+  options.peer_timeout = std::chrono::milliseconds(vm["peer-timeout-ms"].as<unsigned>());
   sigset_t signals = block_signals();
 
   std::shared_ptr<target::ExportCatalog> catalog;

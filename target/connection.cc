@@ -164,7 +164,10 @@ void Connection::on_recv(int res) {
     post_recv();
     return;
   }
-  if (res <= 0) {  // end of file, reset, or drain()
+  if (res <= 0) {                           // end of file, reset, or drain()
+    if (res < 0 && reading_ && !broken_) {  // not a close: a reset, or a host gone silent
+      spdlog::warn("nbd: lost a client of {}: {}", group(), std::strerror(-res));
+    }
     reading_ = false;
     drop_partial_request();
     maybe_close();

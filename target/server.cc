@@ -95,6 +95,26 @@ void enlarge_send_buffer(int fd) {
   }
 }
 
+// A TCP client whose host dies sends no FIN or RST: without these its connection would stay
+// established for ever when idle (keepalive off), or for ~15 min of retransmissions when a
+// reply is unacknowledged (tcp_retries2). Both are bounded by `timeout` (tcp(7):
+// TCP_USER_TIMEOUT also decides when failed keepalive probes end the connection). A live
+// peer answers the probes, and zero-window probes, however long it does not read.
+void drop_silent_peers_after(int fd, std::chrono::milliseconds timeout) {
+  if (timeout.count() <= 0) return;
+  const int seconds = std::max(1, static_cast<int>(timeout.count() / 1000));
+  const int one = 1;
+  const int idle = std::max(1, seconds / 2);
+  const int interval = std::max(1, seconds / 10);
+  const int probes = 10;
+  const auto user_timeout = static_cast<unsigned>(std::min<int64_t>(timeout.count(), UINT_MAX));
+  ::setsockopt(fd, SOL_SOCKET, SO_KEEPALIVE, &one, sizeof one);
+  ::setsockopt(fd, IPPROTO_TCP, TCP_KEEPIDLE, &idle, sizeof idle);
+  ::setsockopt(fd, IPPROTO_TCP, TCP_KEEPINTVL, &interval, sizeof interval);
+  ::setsockopt(fd, IPPROTO_TCP, TCP_KEEPCNT, &probes, sizeof probes);
+  ::setsockopt(fd, IPPROTO_TCP, TCP_USER_TIMEOUT, &user_timeout, sizeof user_timeout);
+}
+
 std::error_code listen_unix(const std::string& path, int& out) {
   sockaddr_un addr{};
   addr.sun_family = AF_UNIX;
@@ -259,6 +279,7 @@ void Server::Impl::handshake(int fd, bool tcp) {
   if (tcp) {
     int one = 1;
     ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+    drop_silent_peers_after(fd, options.peer_timeout);
   }
   SocketStream stream(fd, std::chrono::steady_clock::now() + options.handshake_timeout);
   std::optional<Session> session = negotiate(stream, *catalog, peer_of(fd));

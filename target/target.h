@@ -71,6 +71,9 @@ struct ServerOptions {
   std::chrono::milliseconds close_grace{10000};
   // A connection whose client takes none of its replies for this long is cut off; 0 = never.
   std::chrono::milliseconds send_timeout{30000};
+  // A TCP connection whose peer stays silent this long (no acknowledgement of a reply, no
+  // answer to keepalive probes) is dropped; 0 = the kernel's defaults (hours when idle).
+  std::chrono::milliseconds peer_timeout{60000};
 };
 
 class Server {

@@ -5,9 +5,12 @@
 // "disk" and read-only as "ro", on a Unix socket and on a free TCP port of 127.0.0.1. TearDown
 // stops the daemon and requires a clean exit, so a crash, a hang at shutdown or a sanitizer report
 // (the asan preset instruments the daemon too) fails the test that caused it.
+#include <arpa/inet.h>
 #include <fcntl.h>
 #include <libnbd.h>
+#include <netinet/in.h>
 #include <poll.h>
+#include <sched.h>
 #include <signal.h>
 #include <sys/socket.h>
 #include <sys/un.h>
@@ -234,13 +237,10 @@ class RawClient {
       ::close(fd_);
       fd_ = -1;
     }
-    // A server that stops answering fails the test instead of hanging it.
-    timeval timeout{10, 0};
-    if (fd_ >= 0) {
-      ::setsockopt(fd_, SOL_SOCKET, SO_RCVTIMEO, &timeout, sizeof timeout);
-      ::setsockopt(fd_, SOL_SOCKET, SO_SNDTIMEO, &timeout, sizeof timeout);
-    }
+    set_timeouts();
   }
+  // Takes over `fd`, a connected socket (or -1: not connected).
+  explicit RawClient(int fd) : fd_(fd) { set_timeouts(); }
   ~RawClient() { close(); }
   RawClient(const RawClient&) = delete;
   RawClient& operator=(const RawClient&) = delete;
@@ -296,6 +296,15 @@ class RawClient {
   }
 
  private:
+  // A server that stops answering fails the test instead of hanging it.
+  void set_timeouts() {
+    timeval timeout{10, 0};
+    if (fd_ >= 0) {
+      ::setsockopt(fd_, SOL_SOCKET, SO_RCVTIMEO, &timeout, sizeof timeout);
+      ::setsockopt(fd_, SOL_SOCKET, SO_SNDTIMEO, &timeout, sizeof timeout);
+    }
+  }
+
   int fd_ = -1;
 };
 
@@ -415,6 +424,19 @@ std::string requests_as_payload(size_t length) {
   return payload;
 }
 
+// The port `daemon` picked for ADDRESS:0, from its log; 0 when it never said.
+int logged_tcp_port(const Daemon& daemon, const std::string& address) {
+  const std::string marker = "listening on tcp:" + address + ":";
+  const auto deadline = std::chrono::steady_clock::now() + 5s;
+  while (std::chrono::steady_clock::now() < deadline) {
+    const std::string log = daemon.log();
+    const size_t at = log.find(marker);
+    if (at != std::string::npos) return std::atoi(log.c_str() + at + marker.size());
+    std::this_thread::sleep_for(10ms);
+  }
+  return 0;
+}
+
 // --- The fixture ---
 
 class E2eTest : public ::testing::Test {
@@ -442,17 +464,7 @@ class E2eTest : public ::testing::Test {
   }
 
   // The port the daemon picked for 127.0.0.1:0, from its log; 0 when it never said.
-  int tcp_port() const {
-    const std::string marker = "listening on tcp:127.0.0.1:";
-    const auto deadline = std::chrono::steady_clock::now() + 5s;
-    while (std::chrono::steady_clock::now() < deadline) {
-      const std::string log = daemon_->log();
-      const size_t at = log.find(marker);
-      if (at != std::string::npos) return std::atoi(log.c_str() + at + marker.size());
-      std::this_thread::sleep_for(10ms);
-    }
-    return 0;
-  }
+  int tcp_port() const { return logged_tcp_port(*daemon_, "127.0.0.1"); }
 
   std::string uri(const std::string& export_name) const {
     return "nbd+unix:///" + export_name + "?socket=" + socket_;
@@ -1522,6 +1534,115 @@ TEST_F(E2eTest, ThousandsOfPipelinedRequestsAreAllAnswered) {
     const uint64_t block = kBlocks - reply.cookie;
     ASSERT_TRUE(same_bytes(reply.data, data.substr(block * kBlock, kBlock))) << "block " << block;
   }
+}
+
+// --- Client hosts that go silent ---
+
+// Another network host: a network namespace joined to this one by a veth pair. Taking its end
+// of the link down makes it silent, as a crashed host or a cut cable is: every packet to it
+// is lost and it sends no FIN or RST.
+class PeerHost {
+ public:
+  PeerHost()
+      : ns_("sbpeer" + std::to_string(::getpid())),
+        host_if_("sbh" + std::to_string(::getpid() % 1000000)),
+        peer_if_("sbp" + std::to_string(::getpid() % 1000000)),
+        subnet_("10.77." + std::to_string(::getpid() % 250) + ".") {
+    ok_ = ip({"netns", "add", ns_}) &&
+          ip({"link", "add", host_if_, "type", "veth", "peer", "name", peer_if_, "netns", ns_}) &&
+          ip({"addr", "add", subnet_ + "1/24", "dev", host_if_}) &&
+          ip({"link", "set", host_if_, "up"}) &&
+          ip({"-n", ns_, "addr", "add", subnet_ + "2/24", "dev", peer_if_}) &&
+          ip({"-n", ns_, "link", "set", peer_if_, "up"});
+  }
+  ~PeerHost() {
+    ip({"link", "del", host_if_});
+    ip({"netns", "del", ns_});
+  }
+  PeerHost(const PeerHost&) = delete;
+  PeerHost& operator=(const PeerHost&) = delete;
+
+  bool ok() const { return ok_; }
+  // This machine's address on the link.
+  std::string our_address() const { return subnet_ + "1"; }
+  bool go_silent() const { return ip({"-n", ns_, "link", "set", peer_if_, "down"}); }
+
+  // A TCP connection made from inside the peer host to address:port; -1 on failure. The
+  // socket belongs to the namespace it was made in, whichever thread uses it later.
+  int connect(const std::string& address, int port) const {
+    int fd = -1;
+    std::thread([&] {
+      const int ns = ::open(("/run/netns/" + ns_).c_str(), O_RDONLY | O_CLOEXEC);
+      if (ns < 0) return;
+      const bool joined = ::setns(ns, CLONE_NEWNET) == 0;
+      ::close(ns);
+      if (!joined) return;
+      sockaddr_in addr{};
+      addr.sin_family = AF_INET;
+      addr.sin_port = htons(static_cast<uint16_t>(port));
+      if (::inet_pton(AF_INET, address.c_str(), &addr.sin_addr) != 1) return;
+      fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+      if (fd >= 0 && ::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) {
+        ::close(fd);
+        fd = -1;
+      }
+    }).join();
+    return fd;
+  }
+
+ private:
+  static bool ip(std::vector<std::string> args) {
+    args.insert(args.begin(), "ip");
+    return run(args, 10s).status == 0;
+  }
+
+  std::string ns_, host_if_, peer_if_, subnet_;
+  bool ok_ = false;
+};
+
+// Established TCP connections on this machine whose local port is `port`.
+int established_on_port(int port) {
+  const RunResult r =
+      run({"ss", "-Htn", "state", "established", "( sport = :" + std::to_string(port) + " )"}, 10s);
+  return static_cast<int>(std::count(r.output.begin(), r.output.end(), '\n'));
+}
+
+// A client host that goes silent leaves an idle connection that the kernel alone would keep
+// for ever (keepalive is off by default). With --peer-timeout-ms the daemon drops it, and
+// says so; while the host still answers, an idle client is left alone.
+TEST(E2ePeerTimeout, AClientHostThatGoesSilentIsDropped) {
+  SHAREBLK_REQUIRE(is_root() && have_program("ip") && have_program("ss"),
+                   "needs root and iproute2 (ip, ss) for a second network host");
+  PeerHost peer;
+  SHAREBLK_REQUIRE(peer.ok(), "cannot make a network namespace joined by a veth pair");
+  TempDir dir;
+  const std::string disk = dir / "disk.img";
+  const std::string socket = dir / "nbd.sock";
+  make_file(disk, kMiB);
+  Daemon daemon({"--export", "disk=" + disk, "--listen-unix", socket, "--listen-tcp",
+                 peer.our_address() + ":0", "--peer-timeout-ms", "2000"},
+                socket);
+  const int port = logged_tcp_port(daemon, peer.our_address());
+  ASSERT_GT(port, 0) << daemon.log();
+
+  RawClient c(peer.connect(peer.our_address(), port));
+  ASSERT_TRUE(c.connected());
+  ASSERT_TRUE(handshake(c, "disk"));
+  std::this_thread::sleep_for(5s);  // idle for 2.5 timeouts, the host answering probes
+  ASSERT_TRUE(send_request(c, nbd::kCmdRead, 1, 0, 4096));
+  SimpleReply reply;
+  ASSERT_TRUE(read_simple_reply(c, reply, {{1, 4096}})) << "an idle live client was dropped";
+  EXPECT_EQ(reply.error, 0u);
+  ASSERT_EQ(established_on_port(port), 1);
+
+  ASSERT_TRUE(peer.go_silent());
+  const auto deadline = std::chrono::steady_clock::now() + 20s;
+  while (established_on_port(port) > 0 && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(200ms);
+  }
+  EXPECT_EQ(established_on_port(port), 0) << "the silent client's connection is still there";
+  EXPECT_NE(daemon.log().find("lost a client of"), std::string::npos) << daemon.log();
+  EXPECT_EQ(daemon.stop(SIGTERM), 0) << daemon.log();
 }
 
 }  // namespace
