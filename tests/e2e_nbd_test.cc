@@ -1547,7 +1547,7 @@ class PeerHost {
       : ns_("sbpeer" + std::to_string(::getpid())),
         host_if_("sbh" + std::to_string(::getpid() % 1000000)),
         peer_if_("sbp" + std::to_string(::getpid() % 1000000)),
-        subnet_("10.77." + std::to_string(::getpid() % 250) + ".") {
+        subnet_("198.18." + std::to_string(::getpid() % 250) + ".") {  // RFC 2544: for tests
     ok_ = ip({"netns", "add", ns_}) &&
           ip({"link", "add", host_if_, "type", "veth", "peer", "name", peer_if_, "netns", ns_}) &&
           ip({"addr", "add", subnet_ + "1/24", "dev", host_if_}) &&
