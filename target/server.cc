@@ -323,6 +323,16 @@ std::error_code Server::start(std::string& what) {
   for (unsigned i = 0; i < count; ++i) {
     auto w = std::make_unique<Worker>(s, memory / count, s.options.send_timeout);
     if (std::error_code ec = w->start()) {
+      // Each ring is locked memory: under a small RLIMIT_MEMLOCK the first rings fit and the
+      // next do not. Fewer workers still serve every connection. (The ones that run keep
+      // their share of the payload memory: together less than asked for, never more.)
+      if (ec == std::errc::not_enough_memory && !s.workers.empty()) {
+        spdlog::warn(
+            "nbd: running {} of {} io_uring workers: the next ring does not fit in the "
+            "locked-memory limit (RLIMIT_MEMLOCK); raise it to run them all",
+            s.workers.size(), count);
+        break;
+      }
       what = "io_uring worker";
       return ec;
     }

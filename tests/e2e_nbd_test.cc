@@ -1645,5 +1645,65 @@ TEST(E2ePeerTimeout, AClientHostThatGoesSilentIsDropped) {
   EXPECT_EQ(daemon.stop(SIGTERM), 0) << daemon.log();
 }
 
+// --- Locked memory ---
+
+// Runs what follows it with RLIMIT_MEMLOCK at `bytes` and without CAP_IPC_LOCK, which would
+// lift the limit for root: the situation of a daemon under a service manager's small limit.
+std::vector<std::string> with_locked_memory_limit(uint64_t bytes) {
+  const std::string limit = std::to_string(bytes);
+  return {"prlimit",
+          "--memlock=" + limit + ":" + limit,
+          "capsh",
+          "--drop=cap_ipc_lock",
+          "--",
+          "-c",
+          "exec \"$0\" \"$@\""};
+}
+
+// Each io_uring is locked memory (about 40 KiB on Linux 6.18). When the limit holds some
+// rings but not all the workers asked for, the daemon used to refuse to start; now it runs
+// the workers that fit, says so, and serves every connection with them. io_uring counts
+// this memory per user, and a ring's teardown finishes a moment after its process exits:
+// another daemon without CAP_IPC_LOCK started right before can make even the first ring fail.
+TEST(E2eLockedMemory, RunsTheWorkersThatFitUnderTheLimit) {
+  SHAREBLK_REQUIRE(is_root() && have_program("prlimit") && have_program("capsh"),
+                   "needs root, prlimit and capsh to drop CAP_IPC_LOCK");
+  TempDir dir;
+  const std::string disk = dir / "disk.img";
+  const std::string socket = dir / "nbd.sock";
+  make_file(disk, 8 * kMiB);
+  Daemon daemon({"--export", "disk=" + disk, "--listen-unix", socket, "--workers", "8"}, socket,
+                with_locked_memory_limit(96 * kKiB));
+  EXPECT_NE(daemon.log().find(" of 8 io_uring workers"), std::string::npos) << daemon.log();
+
+  std::vector<Nbd> clients;  // more connections than workers: they share the ones running
+  for (int i = 0; i < 4; ++i) {
+    clients.push_back(open_nbd(socket, "disk"));
+    ASSERT_TRUE(clients.back());
+    const std::string data = random_bytes(64 * kKiB, static_cast<uint64_t>(i));
+    ASSERT_TRUE(nbd_write(clients.back().get(), static_cast<uint64_t>(i) * kMiB, data));
+    EXPECT_TRUE(same_bytes(
+        nbd_read(clients.back().get(), static_cast<uint64_t>(i) * kMiB, data.size()), data));
+  }
+  clients.clear();
+  EXPECT_EQ(daemon.stop(SIGTERM), 0) << daemon.log();
+}
+
+// Below a single ring nothing can run: the daemon stops at once and says why.
+TEST(E2eLockedMemory, SaysWhyWhenNotEvenOneRingFits) {
+  SHAREBLK_REQUIRE(is_root() && have_program("prlimit") && have_program("capsh"),
+                   "needs root, prlimit and capsh to drop CAP_IPC_LOCK");
+  TempDir dir;
+  const std::string disk = dir / "disk.img";
+  make_file(disk, kMiB);
+  std::vector<std::string> argv = with_locked_memory_limit(16 * kKiB);
+  argv.insert(argv.end(),
+              {Daemon::binary(), "--export", "disk=" + disk, "--listen-unix", dir / "nbd.sock"});
+  const RunResult r = run(argv, 20s);
+  EXPECT_EQ(r.status, 1) << r.output;
+  EXPECT_NE(r.output.find("io_uring worker: Cannot allocate memory"), std::string::npos)
+      << r.output;
+}
+
 }  // namespace
 }  // namespace shareblk::testing

@@ -158,10 +158,12 @@ std::string Daemon::binary() {
   return SHAREBLKD_PATH;
 }
 
-Daemon::Daemon(const std::vector<std::string>& args, const std::string& ready_socket) {
+Daemon::Daemon(const std::vector<std::string>& args, const std::string& ready_socket,
+               const std::vector<std::string>& launcher) {
   log_ = ready_socket + ".log";
   int fd = ::open(log_.c_str(), O_CREAT | O_TRUNC | O_WRONLY | O_CLOEXEC, 0644);
-  std::vector<std::string> argv{binary()};
+  std::vector<std::string> argv = launcher;
+  argv.push_back(binary());
   argv.insert(argv.end(), args.begin(), args.end());
   pid_ = spawn(argv, fd);
   ::close(fd);

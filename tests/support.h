@@ -61,7 +61,10 @@ RunResult run(const std::vector<std::string>& argv,
 class Daemon {
  public:
   static std::string binary();
-  Daemon(const std::vector<std::string>& args, const std::string& ready_socket);
+  // `launcher`, when given, runs first and must exec the daemon's argv that follows it (prlimit,
+  // capsh), so that pid() stays the daemon's.
+  Daemon(const std::vector<std::string>& args, const std::string& ready_socket,
+         const std::vector<std::string>& launcher = {});
   ~Daemon();
   Daemon(const Daemon&) = delete;
   Daemon& operator=(const Daemon&) = delete;
