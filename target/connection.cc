@@ -164,8 +164,9 @@ void Connection::on_recv(int res) {
     post_recv();
     return;
   }
-  if (res <= 0) {                           // end of file, reset, or drain()
-    if (res < 0 && reading_ && !broken_) {  // not a close: a reset, or a host gone silent
+  // End of file, a reset, a host gone silent (--peer-timeout-ms), or our own drain().
+  if (res <= 0) {
+    if (res < 0 && reading_ && !broken_) {
       spdlog::warn("nbd: lost a client of {}: {}", group(), std::strerror(-res));
     }
     reading_ = false;
