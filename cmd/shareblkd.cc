@@ -63,6 +63,8 @@ sigset_t block_signals() {
 }
 
 int run(int argc, char** argv) {
+  const target::ServerOptions defaults;  // the timeouts' defaults live there, once
+  auto ms = [](std::chrono::milliseconds d) { return static_cast<unsigned>(d.count()); };
   po::options_description desc("shareblkd options");
   // clang-format off
   desc.add_options()
@@ -86,11 +88,11 @@ int run(int argc, char** argv) {
      "listen for NBD on HOST:PORT (repeatable; default 127.0.0.1:10809 when no listener is given)")
     ("workers", po::value<unsigned>()->default_value(0), "io_uring worker threads (0 = one per CPU)")
     ("max-connections", po::value<unsigned>()->default_value(1024), "connections at most")
-    ("handshake-timeout-ms", po::value<unsigned>()->default_value(30000),
+    ("handshake-timeout-ms", po::value<unsigned>()->default_value(ms(defaults.handshake_timeout)),
      "milliseconds a client has for its whole handshake")
-    ("send-timeout-ms", po::value<unsigned>()->default_value(30000),
+    ("send-timeout-ms", po::value<unsigned>()->default_value(ms(defaults.send_timeout)),
      "milliseconds a client may take none of its replies before it is cut off (0 = never)")
-    ("peer-timeout-ms", po::value<unsigned>()->default_value(60000),
+    ("peer-timeout-ms", po::value<unsigned>()->default_value(ms(defaults.peer_timeout)),
      "milliseconds a TCP client's host may stay silent before its connection is dropped "
      "(0 = the kernel's defaults)")
     ("payload-memory-mib", po::value<uint64_t>()->default_value(0),

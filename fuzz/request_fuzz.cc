@@ -70,7 +70,9 @@ class CountingRegistry final : public target::ConnectionRegistry {
 
 struct Environment {
   CountingRegistry registry;
-  target::Worker worker{registry};
+  // A 1 GiB payload budget, and the send timeout the daemon has by default.
+  target::Worker worker{registry, target::Worker::kDefaultPayloadBudget,
+                        target::ServerOptions{}.send_timeout};
   std::shared_ptr<backend::Volume> volume = scratch_volume(1 << 20);
 };
 

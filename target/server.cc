@@ -107,7 +107,7 @@ void drop_silent_peers_after(int fd, std::chrono::milliseconds timeout) {
   const int idle = std::max(1, seconds / 2);
   const int interval = std::max(1, seconds / 10);
   const int probes = 10;
-  const auto user_timeout = static_cast<unsigned>(std::min<int64_t>(timeout.count(), UINT_MAX));
+  const auto user_timeout = static_cast<unsigned>(timeout.count());  // set from an unsigned
   ::setsockopt(fd, SOL_SOCKET, SO_KEEPALIVE, &one, sizeof one);
   ::setsockopt(fd, IPPROTO_TCP, TCP_KEEPIDLE, &idle, sizeof idle);
   ::setsockopt(fd, IPPROTO_TCP, TCP_KEEPINTVL, &interval, sizeof interval);

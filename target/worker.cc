@@ -135,7 +135,7 @@ void Worker::run(std::promise<std::error_code>* started) {
       }
       resuming_.clear();
     }
-    if (queued_sends_ > 0 && send_timeout_.count() > 0) cut_off_stalled_clients();
+    if (watching_sends()) cut_off_stalled_clients();
   }
   pool_.use_ring(nullptr);
   ring_.reset();  // cancels the eventfd read
@@ -144,7 +144,7 @@ void Worker::run(std::promise<std::error_code>* started) {
 // Sleeping without a timeout is the common case; only while some socket is full does the
 // worker wake up now and then to look for clients that stopped taking their replies.
 int Worker::wait_timeout_ms() const {
-  if (queued_sends_ == 0 || send_timeout_.count() <= 0) return -1;
+  if (!watching_sends()) return -1;
   return static_cast<int>(std::clamp<int64_t>(send_timeout_.count() / 4, 10, 1000));
 }
 

@@ -205,13 +205,12 @@ class ConnectionRegistry {
 class Worker {
  public:
   // `payload_budget`: payload bytes all of this worker's connections may hold at once.
-  // `send_timeout`: a connection whose client takes none of its replies for this long is cut
-  // off (0 = never), so that a hung client cannot keep its buffers, and with them the
-  // budget of the other connections here, for ever.
-  Worker(ConnectionRegistry& registry, uint64_t payload_budget = kDefaultPayloadBudget,
-         std::chrono::milliseconds send_timeout = kDefaultSendTimeout);
+  // `send_timeout` (ServerOptions::send_timeout): a connection whose client takes none of its
+  // replies for this long is cut off (0 = never), so that a hung client cannot keep its
+  // buffers, and with them the budget of the other connections here, for ever.
+  Worker(ConnectionRegistry& registry, uint64_t payload_budget,
+         std::chrono::milliseconds send_timeout);
   static constexpr uint64_t kDefaultPayloadBudget = 1ull << 30;
-  static constexpr std::chrono::milliseconds kDefaultSendTimeout{30000};
   ~Worker();
   Worker(const Worker&) = delete;
   Worker& operator=(const Worker&) = delete;
@@ -256,6 +255,8 @@ class Worker {
   };
   void run(std::promise<std::error_code>* started);
   void on_wakeup(int res);
+  // True while some send waits for room in its socket and hung clients are cut off.
+  bool watching_sends() const { return queued_sends_ > 0 && send_timeout_.count() > 0; }
   int wait_timeout_ms() const;
   void cut_off_stalled_clients();
 

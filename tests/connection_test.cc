@@ -59,7 +59,7 @@ class WorkerOnAFile {
  public:
   explicit WorkerOnAFile(
       uint64_t size, uint64_t payload_budget = target::Worker::kDefaultPayloadBudget,
-      std::chrono::milliseconds send_timeout = target::Worker::kDefaultSendTimeout)
+      std::chrono::milliseconds send_timeout = target::ServerOptions{}.send_timeout)
       : worker_(registry_, payload_budget, send_timeout) {
     make_file(path(), size);
     std::error_code ec;
