@@ -1,0 +1,162 @@
+// A model of the cheapest NBD server that sleeps while it waits (bench/PROFILE.md, "The floor
+// at QD1"). One thread, blocking calls, nothing else: read a request from the socket, pread()
+// it from the file with O_DIRECT, send the simple reply and the data in one sendmsg(). No
+// queue, no event loop, no structured replies; reads only. Every request costs it exactly
+// the two waits any server that does not spin pays (the request, then the disk) and the three
+// system calls it cannot do without. Its CPU per I/O at QD1 is a floor for shareblkd's.
+//
+//   cc -O2 -o /tmp/server_model bench/server_model.c
+//   /tmp/server_model FILE SOCKET
+//   fio --ioengine=nbd --uri='nbd+unix:///?socket=SOCKET' --rw=randread --bs=4k --iodepth=1 ...
+//
+// It serves connections one after another until killed. Not a server for anything but this
+// measurement: it trusts the client (lengths are capped, nothing else is checked).
+#define _GNU_SOURCE
+#include <endian.h>
+#include <fcntl.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/uio.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+enum { kMaxLength = 1 << 20 };
+
+static int read_full(int fd, void* buf, size_t n) {
+  char* p = buf;
+  while (n > 0) {
+    ssize_t r = read(fd, p, n);
+    if (r <= 0) return -1;
+    p += r;
+    n -= (size_t)r;
+  }
+  return 0;
+}
+
+static int write_full(int fd, const void* buf, size_t n) {
+  const char* p = buf;
+  while (n > 0) {
+    ssize_t r = write(fd, p, n);
+    if (r <= 0) return -1;
+    p += r;
+    n -= (size_t)r;
+  }
+  return 0;
+}
+
+// Option reply (proto.md, "Option reply"): magic, option, type, length, then `len` bytes.
+static int option_reply(int fd, uint32_t option, uint32_t type, const void* data, uint32_t len) {
+  char head[20];
+  uint64_t magic = htobe64(0x0003e889045565a9ULL);
+  uint32_t o = htobe32(option), t = htobe32(type), l = htobe32(len);
+  memcpy(head, &magic, 8);
+  memcpy(head + 8, &o, 4);
+  memcpy(head + 12, &t, 4);
+  memcpy(head + 16, &l, 4);
+  if (write_full(fd, head, sizeof head) != 0) return -1;
+  return len ? write_full(fd, data, len) : 0;
+}
+
+// Fixed newstyle handshake, answering only NBD_OPT_GO; 0 once transmission begins.
+static int handshake(int fd, uint64_t size) {
+  char greeting[18];
+  uint64_t m1 = htobe64(0x4e42444d41474943ULL), m2 = htobe64(0x49484156454f5054ULL);
+  uint16_t flags = htobe16(1 | 2);  // FIXED_NEWSTYLE, NO_ZEROES
+  memcpy(greeting, &m1, 8);
+  memcpy(greeting + 8, &m2, 8);
+  memcpy(greeting + 16, &flags, 2);
+  uint32_t client_flags;
+  if (write_full(fd, greeting, sizeof greeting) != 0) return -1;
+  if (read_full(fd, &client_flags, 4) != 0) return -1;
+  for (;;) {
+    char head[16];
+    if (read_full(fd, head, sizeof head) != 0) return -1;
+    uint32_t option, len;
+    memcpy(&option, head + 8, 4);
+    memcpy(&len, head + 12, 4);
+    option = be32toh(option);
+    len = be32toh(len);
+    if (len > 65536) return -1;
+    char data[65536];
+    if (read_full(fd, data, len) != 0) return -1;
+    if (option == 2) return -1;  // NBD_OPT_ABORT
+    if (option != 7) {           // anything but NBD_OPT_GO: NBD_REP_ERR_UNSUP
+      if (option_reply(fd, option, 0x80000001u, NULL, 0) != 0) return -1;
+      continue;
+    }
+    char info[12];  // NBD_INFO_EXPORT: type, size, transmission flags (HAS_FLAGS, READ_ONLY)
+    uint16_t type = htobe16(0), tflags = htobe16(1 | 2);
+    uint64_t sz = htobe64(size);
+    memcpy(info, &type, 2);
+    memcpy(info + 2, &sz, 8);
+    memcpy(info + 10, &tflags, 2);
+    if (option_reply(fd, option, 3, info, sizeof info) != 0) return -1;  // NBD_REP_INFO
+    return option_reply(fd, option, 1, NULL, 0);                          // NBD_REP_ACK
+  }
+}
+
+static void serve(int fd, int file, char* buf) {
+  for (;;) {
+    char req[28];
+    if (read_full(fd, req, sizeof req) != 0) return;
+    uint16_t type;
+    uint32_t length;
+    uint64_t offset;
+    memcpy(&type, req + 6, 2);
+    memcpy(&offset, req + 16, 8);
+    memcpy(&length, req + 24, 4);
+    type = be16toh(type);
+    offset = be64toh(offset);
+    length = be32toh(length);
+    if (type == 2) return;  // NBD_CMD_DISC
+    uint32_t error = 0;
+    if (type != 0 || length > kMaxLength) {
+      error = 22;  // EINVAL: reads only
+      length = 0;
+    } else if (pread(file, buf, length, (off_t)offset) != (ssize_t)length) {
+      error = 5;  // EIO
+      length = 0;
+    }
+    char reply[16];  // simple reply: magic, error, cookie
+    uint32_t magic = htobe32(0x67446698), err = htobe32(error);
+    memcpy(reply, &magic, 4);
+    memcpy(reply + 4, &err, 4);
+    memcpy(reply + 8, req + 8, 8);
+    struct iovec iov[2] = {{reply, sizeof reply}, {buf, length}};
+    struct msghdr msg = {.msg_iov = iov, .msg_iovlen = length ? 2 : 1};
+    if (sendmsg(fd, &msg, MSG_NOSIGNAL) != (ssize_t)(sizeof reply + length)) return;
+  }
+}
+
+int main(int argc, char** argv) {
+  if (argc != 3) {
+    fprintf(stderr, "usage: %s FILE SOCKET\n", argv[0]);
+    return 2;
+  }
+  int file = open(argv[1], O_RDONLY | O_DIRECT);
+  struct stat st;
+  if (file < 0 || fstat(file, &st) != 0) {
+    perror(argv[1]);
+    return 1;
+  }
+  char* buf = NULL;
+  if (posix_memalign((void**)&buf, 4096, kMaxLength) != 0) return 1;
+  int listener = socket(AF_UNIX, SOCK_STREAM, 0);
+  struct sockaddr_un addr = {.sun_family = AF_UNIX};
+  snprintf(addr.sun_path, sizeof addr.sun_path, "%s", argv[2]);
+  unlink(argv[2]);
+  if (bind(listener, (struct sockaddr*)&addr, sizeof addr) != 0 || listen(listener, 8) != 0) {
+    perror(argv[2]);
+    return 1;
+  }
+  for (;;) {
+    int fd = accept(listener, NULL, NULL);
+    if (fd < 0) continue;
+    if (handshake(fd, (uint64_t)st.st_size) == 0) serve(fd, file, buf);
+    close(fd);
+  }
+}
