@@ -7,10 +7,7 @@
 
 #include <algorithm>
 #include <chrono>
-#include <condition_variable>
 #include <future>
-#include <memory>
-#include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
@@ -19,86 +16,12 @@
 #include "target/nbd_proto.h"
 #include "target/worker.h"
 #include "tests/support.h"
+#include "tests/worker_fixture.h"
 
 namespace shareblk::testing {
 namespace {
 
 using namespace std::chrono_literals;
-
-class ClosedCount final : public target::ConnectionRegistry {
- public:
-  void connection_closed(const std::string& /*group*/) override {
-    std::lock_guard lock(mutex_);
-    ++closed_;
-    changed_.notify_all();
-  }
-  bool wait(int count, std::chrono::milliseconds timeout) {
-    std::unique_lock lock(mutex_);
-    return changed_.wait_for(lock, timeout, [&] { return closed_ >= count; });
-  }
-
- private:
-  std::mutex mutex_;
-  std::condition_variable changed_;
-  int closed_ = 0;
-};
-
-bool send_all(int fd, const void* data, size_t size) {
-  const auto* p = static_cast<const char*>(data);
-  while (size > 0) {
-    ssize_t n = ::send(fd, p, size, MSG_NOSIGNAL);
-    if (n <= 0) return false;
-    p += n;
-    size -= static_cast<size_t>(n);
-  }
-  return true;
-}
-
-// A real Worker serving one file of `size` bytes; clients connect over socketpairs.
-class WorkerOnAFile {
- public:
-  explicit WorkerOnAFile(
-      uint64_t size, uint64_t payload_budget = target::Worker::kDefaultPayloadBudget,
-      std::chrono::milliseconds send_timeout = target::ServerOptions{}.send_timeout)
-      : worker_(registry_, payload_budget, send_timeout) {
-    make_file(path(), size);
-    std::error_code ec;
-    volume_ = backend::Volume::open(path(), ec);
-    started_ = volume_ && !worker_.start();
-  }
-  ~WorkerOnAFile() { worker_.stop(); }
-  WorkerOnAFile(const WorkerOnAFile&) = delete;
-  WorkerOnAFile& operator=(const WorkerOnAFile&) = delete;
-
-  bool started() const { return started_; }
-  std::string path() const { return dir_ / "volume.img"; }
-  target::Worker& worker() { return worker_; }
-  ClosedCount& registry() { return registry_; }
-
-  // A new connection of `mode` in the group "group"; the client's end, or -1.
-  int connect(backend::AttachMode mode) {
-    int fds[2];
-    if (::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, fds) != 0) return -1;
-    target::Session session;
-    session.export_name = "volume";
-    session.exp = target::Export{volume_, mode, "group", ""};
-    worker_.adopt(fds[0], session);
-    return fds[1];
-  }
-
- private:
-  TempDir dir_;
-  ClosedCount registry_;
-  std::shared_ptr<backend::Volume> volume_;
-  target::Worker worker_;
-  bool started_ = false;
-};
-
-bool send_request(int fd, uint16_t type, uint64_t cookie, uint64_t offset, uint32_t length) {
-  uint8_t header[nbd::kRequestSize];
-  nbd::encode_request(header, nbd::Request{nbd::kRequestMagic, 0, type, cookie, offset, length});
-  return send_all(fd, header, sizeof header);
-}
 
 // The data of one simple READ reply of `length` bytes, waiting up to `wait` for it; empty when
 // it does not come whole.
