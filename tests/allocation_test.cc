@@ -123,27 +123,35 @@ struct Step {
   uint16_t type;
   uint32_t length;
 };
-// One batch is four rounds of this mix, all in flight at once, as a guest's queue would be.
-constexpr Step kMix[] = {
+// One batch is four rounds of a mix, all in flight at once, as a guest's queue would be. With
+// structured replies one small read becomes a BLOCK_STATUS, as a copying client's would be.
+constexpr int kMixSize = 8;
+constexpr Step kSimpleMix[kMixSize] = {
     {nbd::kCmdRead, 4096},          {nbd::kCmdWrite, 4096},
     {nbd::kCmdRead, kLarge},        {nbd::kCmdWrite, kLarge},
     {nbd::kCmdWriteZeroes, kLarge}, {nbd::kCmdRead, 4096},
     {nbd::kCmdTrim, kLarge},        {nbd::kCmdFlush, 0},
 };
-constexpr int kMixSize = sizeof kMix / sizeof kMix[0];
+constexpr Step kStructuredMix[kMixSize] = {
+    {nbd::kCmdRead, 4096},          {nbd::kCmdWrite, 4096},
+    {nbd::kCmdRead, kLarge},        {nbd::kCmdWrite, kLarge},
+    {nbd::kCmdWriteZeroes, kLarge}, {nbd::kCmdBlockStatus, kLarge},
+    {nbd::kCmdTrim, kLarge},        {nbd::kCmdFlush, 0},
+};
 
 // A client whose buffers all exist before counting starts: sending and receiving allocate
 // nothing on this side either.
 class PipelinedClient {
  public:
-  explicit PipelinedClient(int fd) : fd_(fd), payload_(kLarge, 'p'), reply_(kLarge + 64) {}
+  PipelinedClient(int fd, const Step* mix)
+      : fd_(fd), mix_(mix), payload_(kLarge, 'p'), reply_(kLarge + 64) {}
 
   // Sends one batch and takes every reply; false (with a failure recorded) if any of them
   // failed or did not come.
   bool run_batch(uint64_t batch) {
     uint8_t header[nbd::kRequestSize];
     for (int i = 0; i < kBatch; ++i) {
-      const Step& step = kMix[i % kMixSize];
+      const Step& step = mix_[i % kMixSize];
       const uint64_t slot = (batch * kBatch + static_cast<uint64_t>(i)) % (kVolumeSize / kLarge);
       const uint64_t offset = step.type == nbd::kCmdFlush ? 0 : slot * kLarge;
       nbd::encode_request(header, nbd::Request{nbd::kRequestMagic, 0, step.type,
@@ -173,7 +181,7 @@ class PipelinedClient {
       if (magic == nbd::kSimpleReplyMagic) {
         if (!recv_exact(head + 4, 12)) return false;
         EXPECT_EQ(nbd::get32(head + 4), 0u) << "a request failed";
-        const Step& step = kMix[nbd::get64(head + 8) % kMixSize];
+        const Step& step = mix_[nbd::get64(head + 8) % kMixSize];
         return step.type != nbd::kCmdRead || recv_exact(reply_.data(), step.length);
       }
       EXPECT_EQ(magic, nbd::kStructuredReplyMagic);
@@ -187,6 +195,7 @@ class PipelinedClient {
   }
 
   int fd_;
+  const Step* mix_;
   std::string payload_;
   std::vector<char> reply_;
 };
@@ -197,9 +206,10 @@ uint64_t allocations_while_serving(bool structured_replies, int batches) {
   WorkerOnAFile w(kVolumeSize);
   EXPECT_TRUE(w.started());
   make_file(w.path(), kVolumeSize, 'a');  // data, not holes; same inode: the volume sees it
-  const int fd = w.connect(backend::AttachMode::ReadWrite, structured_replies);
+  const int fd = w.connect(backend::AttachMode::ReadWrite, structured_replies,
+                           /*base_allocation=*/structured_replies);
   EXPECT_GE(fd, 0);
-  PipelinedClient client(fd);
+  PipelinedClient client(fd, structured_replies ? kStructuredMix : kSimpleMix);
   uint64_t batch = 0;
   for (; batch < 50; ++batch) {  // the pool and the request free list fill up here
     if (!client.run_batch(batch)) ADD_FAILURE() << "warm-up batch " << batch << " failed";
@@ -223,7 +233,8 @@ TEST(SteadyStateTest, ServingRequestsAllocatesNothing) {
       << "heap allocations while serving 6,400 requests (simple replies)";
 }
 
-// Structured replies, with holes: the trims make the reads look for them.
+// Structured replies, with holes: the trims make the reads look for them, and BLOCK_STATUS
+// reports them.
 TEST(SteadyStateTest, ServingRequestsWithStructuredRepliesAllocatesNothing) {
   EXPECT_EQ(allocations_while_serving(true, 200), 0u)
       << "heap allocations while serving 6,400 requests (structured replies)";

@@ -69,13 +69,15 @@ class WorkerOnAFile {
   ClosedCount& registry() { return registry_; }
 
   // A new connection of `mode` in the group "group"; the client's end, or -1.
-  int connect(backend::AttachMode mode, bool structured_replies = false) {
+  int connect(backend::AttachMode mode, bool structured_replies = false,
+              bool base_allocation = false) {
     int fds[2];
     if (::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, fds) != 0) return -1;
     target::Session session;
     session.export_name = "volume";
     session.exp = target::Export{volume_, mode, "group", ""};
     session.structured_replies = structured_replies;
+    session.base_allocation = base_allocation;
     worker_.adopt(fds[0], session);
     return fds[1];
   }
