@@ -4,6 +4,7 @@
 // it is a binary of its own because it takes over the allocator's entry points.
 #include <gtest/gtest.h>
 #include <sys/socket.h>
+#include <sys/time.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -144,7 +145,10 @@ constexpr Step kStructuredMix[kMixSize] = {
 class PipelinedClient {
  public:
   PipelinedClient(int fd, const Step* mix)
-      : fd_(fd), mix_(mix), payload_(kLarge, 'p'), reply_(kLarge + 64) {}
+      : fd_(fd), mix_(mix), payload_(kLarge, 'p'), reply_(kLarge + 64) {
+    const timeval wait{10, 0};  // a reply that never comes fails the test, not the suite's timeout
+    ::setsockopt(fd_, SOL_SOCKET, SO_RCVTIMEO, &wait, sizeof wait);
+  }
 
   // Sends one batch and takes every reply; false (with a failure recorded) if any of them
   // failed or did not come.
