@@ -26,26 +26,15 @@
 
 enum { kMaxLength = 1 << 20 };
 
+// The socket blocks: MSG_WAITALL waits for all `n` bytes, and a stream send returns only once
+// all are queued. Anything short is the end of the connection. A zero-length recv() would wait
+// for one byte (an option with no data, such as STRUCTURED_REPLY), hence the n == 0 case.
 static int read_full(int fd, void* buf, size_t n) {
-  char* p = buf;
-  while (n > 0) {
-    ssize_t r = read(fd, p, n);
-    if (r <= 0) return -1;
-    p += r;
-    n -= (size_t)r;
-  }
-  return 0;
+  return n == 0 || recv(fd, buf, n, MSG_WAITALL) == (ssize_t)n ? 0 : -1;
 }
 
 static int write_full(int fd, const void* buf, size_t n) {
-  const char* p = buf;
-  while (n > 0) {
-    ssize_t r = write(fd, p, n);
-    if (r <= 0) return -1;
-    p += r;
-    n -= (size_t)r;
-  }
-  return 0;
+  return send(fd, buf, n, MSG_NOSIGNAL) == (ssize_t)n ? 0 : -1;
 }
 
 // Option reply (proto.md, "Option reply"): magic, option, type, length, then `len` bytes.
@@ -95,7 +84,7 @@ static int handshake(int fd, uint64_t size) {
     memcpy(info + 2, &sz, 8);
     memcpy(info + 10, &tflags, 2);
     if (option_reply(fd, option, 3, info, sizeof info) != 0) return -1;  // NBD_REP_INFO
-    return option_reply(fd, option, 1, NULL, 0);                          // NBD_REP_ACK
+    return option_reply(fd, option, 1, NULL, 0);                         // NBD_REP_ACK
   }
 }
 

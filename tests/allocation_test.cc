@@ -7,11 +7,11 @@
 #include <sys/time.h>
 #include <unistd.h>
 
+#include <array>
 #include <atomic>
 #include <cerrno>
 #include <cstddef>
 #include <cstdint>
-#include <cstring>
 #include <string>
 #include <vector>
 
@@ -33,15 +33,7 @@ void note_allocation() {
 
 }  // namespace
 
-#if defined(__SANITIZE_ADDRESS__)
-#define SHAREBLK_ASAN 1
-#elif defined(__has_feature)
-#if __has_feature(address_sanitizer)
-#define SHAREBLK_ASAN 1
-#endif
-#endif
-
-#ifdef SHAREBLK_ASAN
+#ifdef SHAREBLK_ASAN  // tests/CMakeLists.txt defines it under SHAREBLK_SANITIZE
 // AddressSanitizer owns malloc and calls these for every allocation, operator new included.
 // Declared here: the runtime exports it, but GCC 12 ships no <sanitizer/allocator_interface.h>.
 // NOLINTNEXTLINE(bugprone-reserved-identifier)
@@ -127,24 +119,28 @@ struct Step {
 // One batch is four rounds of a mix, all in flight at once, as a guest's queue would be. With
 // structured replies one small read becomes a BLOCK_STATUS, as a copying client's would be.
 constexpr int kMixSize = 8;
-constexpr Step kSimpleMix[kMixSize] = {
-    {nbd::kCmdRead, 4096},          {nbd::kCmdWrite, 4096},
-    {nbd::kCmdRead, kLarge},        {nbd::kCmdWrite, kLarge},
-    {nbd::kCmdWriteZeroes, kLarge}, {nbd::kCmdRead, 4096},
-    {nbd::kCmdTrim, kLarge},        {nbd::kCmdFlush, 0},
-};
-constexpr Step kStructuredMix[kMixSize] = {
-    {nbd::kCmdRead, 4096},          {nbd::kCmdWrite, 4096},
-    {nbd::kCmdRead, kLarge},        {nbd::kCmdWrite, kLarge},
-    {nbd::kCmdWriteZeroes, kLarge}, {nbd::kCmdBlockStatus, kLarge},
-    {nbd::kCmdTrim, kLarge},        {nbd::kCmdFlush, 0},
-};
+using Mix = std::array<Step, kMixSize>;
+constexpr Mix kSimpleMix = {{
+    {nbd::kCmdRead, 4096},
+    {nbd::kCmdWrite, 4096},
+    {nbd::kCmdRead, kLarge},
+    {nbd::kCmdWrite, kLarge},
+    {nbd::kCmdWriteZeroes, kLarge},
+    {nbd::kCmdRead, 4096},
+    {nbd::kCmdTrim, kLarge},
+    {nbd::kCmdFlush, 0},
+}};
+constexpr Mix with_block_status(Mix mix) {
+  mix[5] = {nbd::kCmdBlockStatus, kLarge};
+  return mix;
+}
+constexpr Mix kStructuredMix = with_block_status(kSimpleMix);
 
 // A client whose buffers all exist before counting starts: sending and receiving allocate
 // nothing on this side either.
 class PipelinedClient {
  public:
-  PipelinedClient(int fd, const Step* mix)
+  PipelinedClient(int fd, const Mix& mix)
       : fd_(fd), mix_(mix), payload_(kLarge, 'p'), reply_(kLarge + 64) {
     const timeval wait{10, 0};  // a reply that never comes fails the test, not the suite's timeout
     ::setsockopt(fd_, SOL_SOCKET, SO_RCVTIMEO, &wait, sizeof wait);
@@ -155,7 +151,7 @@ class PipelinedClient {
   bool run_batch(uint64_t batch) {
     uint8_t header[nbd::kRequestSize];
     for (int i = 0; i < kBatch; ++i) {
-      const Step& step = mix_[i % kMixSize];
+      const Step& step = mix_[static_cast<size_t>(i % kMixSize)];
       const uint64_t slot = (batch * kBatch + static_cast<uint64_t>(i)) % (kVolumeSize / kLarge);
       const uint64_t offset = step.type == nbd::kCmdFlush ? 0 : slot * kLarge;
       nbd::encode_request(header, nbd::Request{nbd::kRequestMagic, 0, step.type,
@@ -199,7 +195,7 @@ class PipelinedClient {
   }
 
   int fd_;
-  const Step* mix_;
+  const Mix& mix_;
   std::string payload_;
   std::vector<char> reply_;
 };
