@@ -15,19 +15,18 @@
 
 #include <cerrno>
 #include <chrono>
-#include <condition_variable>
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <mutex>
 #include <string>
 
 #include "fuzz/fuzz_volume.h"
 #include "target/handshake.h"
 #include "target/nbd_proto.h"
 #include "target/worker.h"
+#include "tests/closed_count.h"
 
 namespace shareblk::fuzz {
 namespace {
@@ -42,34 +41,8 @@ constexpr int kStallMs = 10000;
   std::abort();
 }
 
-// Counts closed connections. The client seeing end of file does not mean the connection is
-// gone: an aborted one shuts its socket down at once and finishes its requests in flight after.
-// Until it is gone, those requests are referenced only from the kernel's rings, which the leak
-// checker that runs after each input cannot see.
-class CountingRegistry final : public target::ConnectionRegistry {
- public:
-  void connection_closed(const std::string& /*group*/) override {
-    std::lock_guard lock(mutex_);
-    ++closed_;
-    changed_.notify_all();
-  }
-  uint64_t closed() {
-    std::lock_guard lock(mutex_);
-    return closed_;
-  }
-  bool wait_closed(uint64_t count, std::chrono::milliseconds timeout) {
-    std::unique_lock lock(mutex_);
-    return changed_.wait_for(lock, timeout, [&] { return closed_ >= count; });
-  }
-
- private:
-  std::mutex mutex_;
-  std::condition_variable changed_;
-  uint64_t closed_ = 0;
-};
-
 struct Environment {
-  CountingRegistry registry;
+  testing::ClosedCount registry;
   // A 1 GiB payload budget, and the send timeout the daemon has by default.
   target::Worker worker{registry, target::Worker::kDefaultPayloadBudget,
                         target::ServerOptions{}.send_timeout};
@@ -205,7 +178,10 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const uint64_t closed = env.registry.closed() + 1;
   env.worker.adopt(fds[1], std::move(session));
   const std::string out = fuzz::exchange(fds[0], data + 1, size - 1);
-  if (!env.registry.wait_closed(closed, std::chrono::milliseconds(fuzz::kStallMs))) {
+  // The client's end of file is not the end of the connection (tests/closed_count.h). Until it
+  // is counted closed, its requests in flight are referenced only from the kernel's rings,
+  // which the leak checker that runs after each input cannot see.
+  if (!env.registry.wait(closed, std::chrono::milliseconds(fuzz::kStallMs))) {
     fuzz::fail("the connection did not close after its client left");
   }
   if (config & 1) fuzz::check_structured(out);

@@ -6,35 +6,16 @@
 #include <unistd.h>
 
 #include <chrono>
-#include <condition_variable>
 #include <memory>
-#include <mutex>
 #include <string>
 
 #include "backend/backend.h"
 #include "target/nbd_proto.h"
 #include "target/worker.h"
+#include "tests/closed_count.h"
 #include "tests/support.h"
 
 namespace shareblk::testing {
-
-class ClosedCount final : public target::ConnectionRegistry {
- public:
-  void connection_closed(const std::string& /*group*/) override {
-    std::lock_guard lock(mutex_);
-    ++closed_;
-    changed_.notify_all();
-  }
-  bool wait(int count, std::chrono::milliseconds timeout) {
-    std::unique_lock lock(mutex_);
-    return changed_.wait_for(lock, timeout, [&] { return closed_ >= count; });
-  }
-
- private:
-  std::mutex mutex_;
-  std::condition_variable changed_;
-  int closed_ = 0;
-};
 
 inline bool send_all(int fd, const void* data, size_t size) {
   const auto* p = static_cast<const char*>(data);
