@@ -149,14 +149,13 @@ class PipelinedClient {
   // Sends one batch and takes every reply; false (with a failure recorded) if any of them
   // failed or did not come.
   bool run_batch(uint64_t batch) {
-    uint8_t header[nbd::kRequestSize];
     for (int i = 0; i < kBatch; ++i) {
       const Step& step = mix_[static_cast<size_t>(i % kMixSize)];
       const uint64_t slot = (batch * kBatch + static_cast<uint64_t>(i)) % (kVolumeSize / kLarge);
       const uint64_t offset = step.type == nbd::kCmdFlush ? 0 : slot * kLarge;
-      nbd::encode_request(header, nbd::Request{nbd::kRequestMagic, 0, step.type,
-                                               static_cast<uint64_t>(i), offset, step.length});
-      if (!send_all(fd_, header, sizeof header)) return false;
+      if (!send_request(fd_, step.type, static_cast<uint64_t>(i), offset, step.length)) {
+        return false;
+      }
       if (step.type == nbd::kCmdWrite && !send_all(fd_, payload_.data(), step.length)) {
         return false;
       }
