@@ -1,4 +1,4 @@
-// JSON-RPC 2.0 framing and the control socket.
+// The control socket: a listener thread, a thread per client, replies and notices in order.
 #include "control/control.h"
 
 #include <spdlog/spdlog.h>
@@ -17,50 +17,16 @@
 #include <thread>
 #include <unordered_set>
 
+#include "control/jsonrpc.h"
 #include "control/service.h"
 
 namespace shareblk::control {
 
 namespace {
 
-// JSON-RPC 2.0 codes; the API's own errors use -32000 and below, one per reason, and every
-// error carries data.reason so that scripts need not know the numbers.
-constexpr int kParseError = -32700;
-constexpr int kInvalidRequest = -32600;
-constexpr int kMethodNotFound = -32601;
-
-int code_for(const std::string& reason) {
-  static const std::pair<const char*, int> kCodes[] = {
-      {"invalid_params", -32602},
-      {"internal", -32603},
-      {"not_found", -32001},
-      {"volume_in_use", -32002},
-      {"not_multiattach", -32003},
-      {"attachment_id_required", -32004},
-      {"duplicate_attachment", -32005},
-      {"policy_denied", -32006},
-      {"invalid_state", -32007},
-      {"no_space", -32008},
-  };
-  for (const auto& [name, code] : kCodes) {
-    if (reason == name) return code;
-  }
-  return -32603;
-}
-
-Json error_response(const Json& id, int code, const std::string& reason,
-                    const std::string& message) {
-  return Json{{"jsonrpc", "2.0"},
-              {"id", id},
-              {"error", {{"code", code}, {"message", message}, {"data", {{"reason", reason}}}}}};
-}
-
 // A control socket line may not be longer than this; a longer one is answered with a parse
 // error and skipped.
 constexpr size_t kMaxLine = 1 << 20;
-// Nor nested deeper than this. nlohmann::json copies and dumps values recursively: a line of
-// 100,000 nested brackets (200 KB) overflowed the stack of the thread that copied its "id".
-constexpr int kMaxDepth = 64;
 
 class Catalog final : public target::ExportCatalog {
  public:
@@ -86,8 +52,6 @@ struct ControlPlane::Impl {
   Impl(const std::string& db_path, lvm::VolumeStore& store, Policy policy)
       : service(db_path, store, policy), catalog(std::make_shared<Catalog>(service)) {}
 
-  Json handle_one(const Json& request, const Caller& caller);
-  std::string handle(const std::string& line, const Caller& caller);
   void accept_loop();
   void serve_client(int fd);
   void refuse(int fd, const std::string& why);
@@ -120,83 +84,8 @@ void ControlPlane::bind(target::Server* server, Endpoints endpoints) {
   impl_->service.bind(server, std::move(endpoints));
 }
 
-Json ControlPlane::Impl::handle_one(const Json& request, const Caller& caller) {
-  if (!request.is_object()) {
-    return error_response(nullptr, kInvalidRequest, "invalid_params", "a request is an object");
-  }
-  const bool notification = !request.contains("id");
-  Json id = notification ? Json(nullptr) : request["id"];
-  if (!id.is_null() && !id.is_string() && !id.is_number()) {
-    return error_response(nullptr, kInvalidRequest, "invalid_params",
-                          "id must be a string, a number or null");
-  }
-  auto respond = [&](Json response) { return notification ? Json() : std::move(response); };
-  // Compared as JSON, not read with value(), which throws when "jsonrpc" is not a string.
-  const auto version = request.find("jsonrpc");
-  if (version == request.end() || *version != Json("2.0") || !request.contains("method") ||
-      !request["method"].is_string()) {
-    return respond(error_response(id, kInvalidRequest, "invalid_params",
-                                  "a request needs \"jsonrpc\": \"2.0\" and a method name"));
-  }
-  const std::string method = request["method"].get<std::string>();
-  if (!service.has_method(method)) {
-    return respond(
-        error_response(id, kMethodNotFound, "not_found", "unknown method '" + method + "'"));
-  }
-  Json params = request.contains("params") ? request["params"] : Json::object();
-  if (params.is_null()) params = Json::object();
-  if (!params.is_object()) {
-    return respond(error_response(id, code_for("invalid_params"), "invalid_params",
-                                  "params must be an object"));
-  }
-  try {
-    Json result = service.call(method, params, caller);
-    spdlog::info("control: uid={} pid={} {}: ok", caller.uid, caller.pid, method);
-    return respond(Json{{"jsonrpc", "2.0"}, {"id", id}, {"result", std::move(result)}});
-  } catch (const ApiError& e) {
-    spdlog::info("control: uid={} pid={} {}: {} ({})", caller.uid, caller.pid, method, e.reason,
-                 e.what());
-    return respond(error_response(id, code_for(e.reason), e.reason, e.what()));
-  } catch (const std::exception& e) {
-    spdlog::error("control: uid={} pid={} {}: internal error: {}", caller.uid, caller.pid, method,
-                  e.what());
-    return respond(error_response(id, code_for("internal"), "internal", e.what()));
-  }
-}
-
 std::string ControlPlane::handle(const std::string& line, const Caller& caller) {
-  return impl_->handle(line, caller);
-}
-
-std::string ControlPlane::Impl::handle(const std::string& line, const Caller& caller) {
-  bool too_deep = false;
-  // Returning false drops a value as it is parsed, so nothing deeper than kMaxDepth is built.
-  const Json::parser_callback_t limit = [&too_deep](int depth, Json::parse_event_t, Json&) {
-    if (depth > kMaxDepth) too_deep = true;
-    return !too_deep;
-  };
-  Json request = Json::parse(line, limit, /*allow_exceptions=*/false);
-  if (too_deep) {
-    return error_response(nullptr, kInvalidRequest, "invalid_params",
-                          "nested deeper than " + std::to_string(kMaxDepth) + " levels")
-        .dump();
-  }
-  if (request.is_discarded()) {
-    return error_response(nullptr, kParseError, "invalid_params", "not valid JSON").dump();
-  }
-  if (request.is_array()) {  // a batch
-    if (request.empty()) {
-      return error_response(nullptr, kInvalidRequest, "invalid_params", "empty batch").dump();
-    }
-    Json responses = Json::array();
-    for (const Json& one : request) {
-      Json response = handle_one(one, caller);
-      if (!response.is_null()) responses.push_back(std::move(response));
-    }
-    return responses.empty() ? std::string() : responses.dump();
-  }
-  Json response = handle_one(request, caller);
-  return response.is_null() ? std::string() : response.dump();
+  return handle_line(line, impl_->service, caller);
 }
 
 std::error_code ControlPlane::listen(const std::string& path, size_t max_clients) {
@@ -260,8 +149,7 @@ void ControlPlane::Impl::accept_loop() {
 // Tells a client it will not be served, without waiting on it, and closes it.
 void ControlPlane::Impl::refuse(int fd, const std::string& why) {
   spdlog::warn("control: {}", why);
-  const std::string line =
-      error_response(nullptr, code_for("internal"), "internal", why).dump() + "\n";
+  const std::string line = error_line(code_for("internal"), "internal", why) + "\n";
   (void)!::send(fd, line.data(), line.size(), MSG_NOSIGNAL | MSG_DONTWAIT);
   ::close(fd);
 }
@@ -343,7 +231,7 @@ void ControlPlane::Impl::serve_client(int fd) {
         continue;
       }
       if (line.find_first_not_of(" \t\r") == std::string::npos) continue;  // blank line
-      std::string reply = handle(line, caller);
+      std::string reply = handle_line(line, service, caller);
       if (!reply.empty()) connection->send_line(reply);
     }
     buffer.erase(0, start);
@@ -352,8 +240,7 @@ void ControlPlane::Impl::serve_client(int fd) {
       // long it goes on.
       buffer.clear();
     } else if (buffer.size() > kMaxLine) {
-      connection->send_line(
-          error_response(nullptr, kParseError, "invalid_params", "line too long").dump());
+      connection->send_line(error_line(kParseError, "invalid_params", "line too long"));
       buffer.clear();
       skipping = true;
     }

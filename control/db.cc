@@ -6,8 +6,9 @@ namespace shareblk::control {
 
 namespace {
 
-const char* kSchema = R"sql(
-CREATE TABLE IF NOT EXISTS volumes (
+// The tables as version 1 has them. Version 0 (0.1.0) had no CHECK on attach_status.
+const char* kVolumesTable = R"sql(
+CREATE TABLE volumes (
   id          TEXT PRIMARY KEY,
   name        TEXT NOT NULL,
   size        INTEGER NOT NULL CHECK (size > 0),
@@ -15,21 +16,34 @@ CREATE TABLE IF NOT EXISTS volumes (
   bootable    INTEGER NOT NULL,
   created_at  TEXT NOT NULL
 );
-CREATE TABLE IF NOT EXISTS volume_attachment (
+)sql";
+
+// `%s` is the table's name: the migration builds it under a new name first.
+const char* kAttachmentTableV1 = R"sql(
+CREATE TABLE %s (
   id            TEXT PRIMARY KEY,
   volume_id     TEXT NOT NULL REFERENCES volumes(id) ON DELETE CASCADE,
   instance_uuid TEXT NOT NULL,
   attached_host TEXT NOT NULL,
   mode          TEXT NOT NULL CHECK (mode IN ('rw', 'ro')),
-  attach_status TEXT NOT NULL,
+  attach_status TEXT NOT NULL
+                CHECK (attach_status IN ('reserved', 'attaching', 'attached', 'detaching',
+                                         'detached')),
   attach_time   TEXT NOT NULL,
   detach_time   TEXT NOT NULL,
   connector     TEXT NOT NULL,
   export_name   TEXT NOT NULL UNIQUE,
   created_at    TEXT NOT NULL
 );
-CREATE INDEX IF NOT EXISTS attachment_by_volume ON volume_attachment(volume_id);
 )sql";
+
+const char* kAttachmentIndex = "CREATE INDEX attachment_by_volume ON volume_attachment(volume_id);";
+
+std::string attachment_table(const char* name) {
+  std::string sql = kAttachmentTableV1;
+  sql.replace(sql.find("%s"), 2, name);
+  return sql;
+}
 
 // A prepared statement, finalized on scope exit.
 class Statement {
@@ -82,17 +96,34 @@ VolumeRow volume_from(const Statement& s) {
 }
 
 AttachmentRow attachment_from(const Statement& s) {
-  return AttachmentRow{s.text(0), s.text(1), s.text(2), s.text(3), s.text(4), s.text(5),
-                       s.text(6), s.text(7), s.text(8), s.text(9), s.text(10)};
+  AttachmentRow a;
+  a.id = s.text(0);
+  a.volume_id = s.text(1);
+  a.instance_uuid = s.text(2);
+  a.attached_host = s.text(3);
+  a.mode = s.text(4) == "ro" ? backend::AttachMode::ReadOnly : backend::AttachMode::ReadWrite;
+  // The CHECK constraint admits only the names parse_attach_status knows.
+  a.attach_status = parse_attach_status(s.text(5)).value_or(AttachStatus::Detached);
+  a.attach_time = s.text(6);
+  a.detach_time = s.text(7);
+  a.connector = s.text(8);
+  a.export_name = s.text(9);
+  a.created_at = s.text(10);
+  return a;
 }
 
 void bind_attachment(Statement& s, const AttachmentRow& a) {
   s.bind(1, a.id).bind(2, a.volume_id).bind(3, a.instance_uuid).bind(4, a.attached_host);
-  s.bind(5, a.mode).bind(6, a.attach_status).bind(7, a.attach_time).bind(8, a.detach_time);
+  s.bind(5, std::string(to_string(a.mode))).bind(6, std::string(to_string(a.attach_status)));
+  s.bind(7, a.attach_time).bind(8, a.detach_time);
   s.bind(9, a.connector).bind(10, a.export_name).bind(11, a.created_at);
 }
 
 }  // namespace
+
+std::string_view to_string(backend::AttachMode mode) {
+  return mode == backend::AttachMode::ReadOnly ? "ro" : "rw";
+}
 
 Database::Database(const std::string& path) {
   if (sqlite3_open_v2(path.c_str(), &db_,
@@ -104,10 +135,63 @@ Database::Database(const std::string& path) {
     throw DbError("cannot open " + path + ": " + message);
   }
   sqlite3_busy_timeout(db_, 5000);
-  exec("PRAGMA journal_mode=WAL");
-  exec("PRAGMA synchronous=FULL");
-  exec("PRAGMA foreign_keys=ON");
-  exec(kSchema);
+  try {
+    migrate(path);  // first: a newer database must not even be switched to WAL
+    exec("PRAGMA journal_mode=WAL");
+    exec("PRAGMA synchronous=FULL");
+    exec("PRAGMA foreign_keys=ON");
+  } catch (...) {
+    sqlite3_close(db_);
+    db_ = nullptr;
+    throw;
+  }
+}
+
+int Database::user_version() {
+  Statement s(db_, "PRAGMA user_version");
+  return s.step() ? static_cast<int>(s.integer(0)) : 0;
+}
+
+// One transaction from whatever version the file has to kSchemaVersion: a failure (a row the
+// new constraints refuse, a full disk) leaves the file as it was. Foreign keys are off while
+// the attachment table is rebuilt (SQLite's procedure for changes ALTER TABLE cannot make).
+void Database::migrate(const std::string& path) {
+  const int version = user_version();
+  if (version > kSchemaVersion) {
+    throw DbError(path + " has schema version " + std::to_string(version) +
+                  ", newer than this shareblkd understands (" + std::to_string(kSchemaVersion) +
+                  "); run the release that wrote it, or restore a backup. Nothing was changed.");
+  }
+  if (version == kSchemaVersion) return;
+  exec("PRAGMA foreign_keys=OFF");
+  exec("BEGIN IMMEDIATE");
+  try {
+    Statement tables(
+        db_, "SELECT count(*) FROM sqlite_master WHERE type = 'table' AND name = 'volumes'");
+    const bool fresh = tables.step() && tables.integer(0) == 0;
+    if (fresh) {
+      exec(kVolumesTable);
+      exec(attachment_table("volume_attachment").c_str());
+      exec(kAttachmentIndex);
+    } else {  // version 0: the same columns, without the CHECK on attach_status
+      exec(attachment_table("volume_attachment_v1").c_str());
+      exec((std::string("INSERT INTO volume_attachment_v1 (") + kAttachmentColumns + ") SELECT " +
+            kAttachmentColumns + " FROM volume_attachment")
+               .c_str());
+      exec("DROP TABLE volume_attachment");
+      exec("ALTER TABLE volume_attachment_v1 RENAME TO volume_attachment");
+      exec(kAttachmentIndex);
+    }
+    exec(("PRAGMA user_version = " + std::to_string(kSchemaVersion)).c_str());
+    exec("COMMIT");
+  } catch (const DbError& e) {
+    try {
+      exec("ROLLBACK");
+    } catch (const DbError&) {  // the transaction is gone either way
+    }
+    throw DbError("cannot bring " + path + " from schema version " + std::to_string(version) +
+                  " to " + std::to_string(kSchemaVersion) + " (nothing was changed): " + e.what());
+  }
 }
 
 Database::~Database() {

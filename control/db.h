@@ -1,7 +1,9 @@
 // Internal to control/: the SQLite state (volumes and the volume_attachment table).
 //
 // One connection, used under one mutex; every change is committed (WAL, synchronous=FULL)
-// before the caller replies, so a kill -9 loses nothing that was acknowledged.
+// before the caller replies, so a kill -9 loses nothing that was acknowledged. The schema
+// carries its version in PRAGMA user_version; opening migrates an older database forward in one
+// transaction and refuses a newer one without changing it (docs/state.md).
 #pragma once
 
 #include <sqlite3.h>
@@ -11,7 +13,11 @@
 #include <optional>
 #include <stdexcept>
 #include <string>
+#include <string_view>
 #include <vector>
+
+#include "backend/backend.h"
+#include "control/attachment_state.h"
 
 namespace shareblk::control {
 
@@ -29,9 +35,9 @@ struct AttachmentRow {
   std::string volume_id;
   std::string instance_uuid;
   std::string attached_host;
-  std::string mode;           // "rw" | "ro"
-  std::string attach_status;  // reserved | attaching | attached | detaching | detached
-  std::string attach_time;    // ISO 8601, empty when not yet attached
+  backend::AttachMode mode = backend::AttachMode::ReadWrite;  // stored as "rw" | "ro"
+  AttachStatus attach_status = AttachStatus::Reserved;        // changed only by transition()
+  std::string attach_time;  // ISO 8601, empty when not yet attached
   std::string detach_time;
   std::string connector;  // JSON text, empty when none
   std::string export_name;
@@ -42,9 +48,16 @@ struct DbError : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+// The schema this build writes. Version 0 is the unversioned schema of 0.1.0.
+inline constexpr int kSchemaVersion = 1;
+
+// "rw" / "ro", as stored and as the API shows them.
+std::string_view to_string(backend::AttachMode mode);
+
 class Database {
  public:
-  explicit Database(const std::string& path);  // throws DbError
+  // Opens (creating when new) and migrates; throws DbError, for a newer schema too.
+  explicit Database(const std::string& path);
   ~Database();
   Database(const Database&) = delete;
   Database& operator=(const Database&) = delete;
@@ -79,6 +92,8 @@ class Database {
  private:
   friend class Transaction;
   void exec(const char* sql);
+  int user_version();
+  void migrate(const std::string& path);
   sqlite3* db_ = nullptr;
   std::mutex mutex_;
 };

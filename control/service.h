@@ -1,111 +1,122 @@
-// Internal to control/: the attachment API's methods and state machine.
+// Internal to control/: the attachment API's actions. Each public member is one method of
+// docs/api.md, with its params already decoded (control/methods.cc); it looks up, acts, and
+// returns the JSON view. Refusals are ApiError; a broken database is DbError.
+//
+// Who does what: attachment states change only through transition() (attachment_state.h);
+// volume bytes are reached only through the VolumeRegistry; an attachment is exposed and
+// revoked only through the ExportRegistry. Every change to one volume or its attachments holds
+// that volume's lock, and then the database's transaction.
 #pragma once
 
 #include <cstdint>
 #include <filesystem>
-#include <map>
-#include <memory>
-#include <mutex>
-#include <nlohmann/json.hpp>
-#include <stdexcept>
+#include <optional>
 #include <string>
+#include <vector>
 
+#include "control/api_error.h"
 #include "control/control.h"
 #include "control/db.h"
-#include "fuse/local_attach.h"
+#include "control/export_registry.h"
+#include "control/params.h"
+#include "control/volume_registry.h"
 
 namespace shareblk::control {
 
-using Json = nlohmann::json;
+struct VolumeSpec {
+  std::string name;
+  uint64_t size = 0;
+  bool multiattach = false;
+  bool bootable = false;
+};
 
-// A refused call: `reason` is one of the API's error reasons (invalid_params, not_found,
-// volume_in_use, not_multiattach, attachment_id_required, duplicate_attachment,
-// policy_denied, invalid_state, no_space, internal).
-struct ApiError : std::runtime_error {
-  ApiError(std::string why, const std::string& message)
-      : std::runtime_error(message), reason(std::move(why)) {}
-  std::string reason;
+struct VolumeChange {
+  std::string id;
+  std::optional<std::string> name;
+  std::optional<bool> multiattach;
+  std::optional<bool> bootable;
+};
+
+struct AttachmentSpec {
+  std::string volume_id;
+  std::string instance_uuid;
+  std::string attached_host;  // "" when neither it nor the connector's host was given
+  backend::AttachMode mode = backend::AttachMode::ReadWrite;
+  Json connector;  // null: a reservation; otherwise checked by decode_connector()
 };
 
 class Service {
  public:
   Service(const std::string& db_path, lvm::VolumeStore& store, Policy policy);
 
+  // The NBD server that serves attachments, and where clients reach it. Mounts the FUSE
+  // attachments that were live when the daemon stopped.
   void bind(target::Server* server, Endpoints endpoints);
 
-  // Runs one method for `caller`. Throws ApiError (and DbError for a broken database).
-  Json call(const std::string& method, const Json& params, const Caller& caller);
-  bool has_method(const std::string& method) const;
+  Json volume_create(const VolumeSpec& spec);
+  Json volume_list();
+  Json volume_show(const std::string& id);
+  Json volume_delete(const std::string& id);
+  Json volume_extend(const std::string& id, uint64_t size);
+  Json volume_update(const VolumeChange& change);
+  Json volume_detach(const std::string& volume_id, std::optional<std::string> attachment_id);
 
+  Json attachment_create(const AttachmentSpec& spec);
+  Json attachment_update(const std::string& id, const Json& connector);
+  Json attachment_complete(const std::string& id);
+  Json attachment_delete(const std::string& id);
+  Json attachment_list(const std::string& volume_id);  // "" for all
+  Json attachment_show(const std::string& id);
+
+  // For another process that serves the attachment (nbdkit): where its bytes are, in which
+  // mode; subscribes the caller to its revocation.
+  Json export_resolve(const std::string& export_name, const Caller& caller);
+  // For the NBD handshake.
   target::ExportCatalog::Lookup resolve(const std::string& export_name, const target::Peer& peer);
 
-  // Subscribers (export_resolve callers that stay connected: one per nbdkit connection) at
-  // most, so that they cannot take every control connection from the operators.
-  void set_max_subscribers(size_t n);
-
-  // For tests: entries in the per-volume lock table and in the revocation subscriber table.
-  size_t volume_lock_count() const;
-  size_t subscriber_count() const;
+  // Subscribers (nbdkit connections) at most, so that they cannot take every control
+  // connection from the operators.
+  void set_max_subscribers(size_t n) { exports_.set_max_subscribers(n); }
+  // For tests.
+  size_t volume_lock_count() const { return volumes_.lock_count(); }
+  size_t subscriber_count() const { return exports_.subscriber_count(); }
 
  private:
-  Json volume_create(const Json& p);
-  Json volume_list(const Json& p);
-  Json volume_show(const Json& p);
-  Json volume_delete(const Json& p);
-  Json volume_extend(const Json& p);
-  Json volume_update(const Json& p);
-  Json attachment_create(const Json& p);
-  Json attachment_update(const Json& p);
-  Json attachment_complete(const Json& p);
-  Json attachment_delete(const Json& p);
-  Json attachment_list(const Json& p);
-  Json attachment_show(const Json& p);
-  Json volume_detach(const Json& p);
-  Json export_resolve(const Json& p, const Caller& caller);
-
-  // Serializes every change to one volume and its attachments.
-  std::shared_ptr<std::mutex> volume_lock(const std::string& volume_id);
-  std::shared_ptr<backend::Volume> open_volume(const std::string& volume_id, uint64_t size);
-  void forget_volume(const std::string& volume_id);
-
-  // Validates a connector and moves the attachment to attaching; mounts a FUSE one.
+  // attachments.cc
   void connect(Database::Transaction& tx, AttachmentRow& a, const VolumeRow& v,
                const Json& connector);
   void refuse_taken_mountpoint(Database::Transaction& tx, const AttachmentRow& a,
                                const std::string& mountpoint);
-  void unmount(const std::string& attachment_id, bool& lazy);
-  void notify_revoked(const std::string& attachment_id);
   Json detach(const std::string& volume_id, const std::string& attachment_id);
-  AttachmentRow find_attachment(Database::Transaction& tx, const std::string& id);
+  // service.cc
+  void reconcile();
+  void remount(const AttachmentRow& a, const VolumeRow& v);
   std::string volume_of(const std::string& attachment_id);
-  VolumeRow find_volume(Database::Transaction& tx, const std::string& id);
-
+  static VolumeRow find_volume(Database::Transaction& tx, const std::string& id);
+  static AttachmentRow find_attachment(Database::Transaction& tx, const std::string& id);
+  // views.cc
   Json volume_json(Database::Transaction& tx, const VolumeRow& v);
   Json attachment_json(const AttachmentRow& a, const VolumeRow& v);
   Json connection_info(const AttachmentRow& a, const VolumeRow& v);
-  void reconcile();
 
   Database db_;
-  lvm::VolumeStore& store_;
+  VolumeRegistry volumes_;
+  ExportRegistry exports_;
   Policy policy_;
-  target::Server* server_ = nullptr;
   Endpoints endpoints_;
   // The database's directory: the daemon's state directory (--state-dir), where no FUSE
   // attachment may be mounted.
   std::filesystem::path state_dir_;
-
-  mutable std::mutex locks_mutex_;
-  std::map<std::string, std::weak_ptr<std::mutex>> volume_locks_;  // see volume_lock()
-  std::mutex open_mutex_;
-  std::map<std::string, std::shared_ptr<backend::Volume>> open_volumes_;
-
-  // FUSE local attaches by attachment id; changed under the attachment's volume lock.
-  std::mutex mounts_mutex_;
-  std::map<std::string, std::unique_ptr<fuse::LocalAttach>> mounts_;
-  // export_resolve callers (the nbdkit plugin) by attachment id, told when it is revoked.
-  mutable std::mutex subscribers_mutex_;
-  std::multimap<std::string, std::weak_ptr<Subscriber>> subscribers_;
-  size_t max_subscribers_ = SIZE_MAX;
 };
+
+// Helpers shared by the action files.
+std::string new_uuid();
+std::string random_hex(size_t bytes);
+std::string now_iso();  // UTC, ISO 8601 with microseconds: sorts as it happened
+// A path as mountpoints are compared: absolute, with the symlinks of its existing part
+// resolved, no "." or "..", no trailing "/".
+std::filesystem::path comparable_path(const std::filesystem::path& path);
+// in-use > attaching > reserved > detaching > available, from its attachments' states.
+std::string volume_status(const std::vector<AttachmentRow>& attachments);
 
 }  // namespace shareblk::control

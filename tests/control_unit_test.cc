@@ -17,6 +17,7 @@
 
 #include "control/control.h"
 #include "control/db.h"
+#include "control/methods.h"
 #include "control/service.h"
 #include "lvm/volume_store.h"
 #include "tests/support.h"
@@ -729,6 +730,28 @@ TEST_F(ControlPlaneTest, NotificationsGetNoReply) {
   EXPECT_EQ(response["result"].size(), 1u);
 }
 
+// Only a valid request without "id" is a notification: an invalid one is answered with
+// -32600 and "id": null (JSON-RPC 2.0, sections 4.1 and 5), alone or in a batch.
+TEST_F(ControlPlaneTest, InvalidRequestsWithoutAnIdAreAnswered) {
+  for (const std::string line :
+       {R"({"foo": 1})", R"({"jsonrpc":"2.0"})", R"({"jsonrpc":"1.0","method":"volume_list"})",
+        R"({"jsonrpc":"2.0","method":7})", R"({"method":"volume_list"})"}) {
+    const std::string reply = plane_->handle(line, caller_);
+    ASSERT_FALSE(reply.empty()) << line;
+    Json response = Json::parse(reply);
+    EXPECT_EQ(response["jsonrpc"], "2.0") << reply;
+    EXPECT_TRUE(response.contains("id") && response["id"].is_null()) << reply;
+    EXPECT_EQ(response["error"]["code"], -32600) << reply;
+    EXPECT_EQ(response["error"]["data"]["reason"], "invalid_params") << reply;
+  }
+  Json batch = Json::parse(
+      plane_->handle(R"([{"foo": 1}, {"jsonrpc":"2.0","method":"volume_list"}])", caller_));
+  ASSERT_TRUE(batch.is_array()) << batch;
+  ASSERT_EQ(batch.size(), 1u) << batch;  // the notification gets nothing
+  EXPECT_EQ(batch[0]["error"]["code"], -32600);
+  EXPECT_TRUE(batch[0]["id"].is_null());
+}
+
 TEST_F(ControlPlaneTest, BatchesAnswerEachRequest) {
   const std::string line = R"([
     {"jsonrpc":"2.0","id":1,"method":"volume_create","params":{"name":"a","size":"1M"}},
@@ -832,7 +855,7 @@ TEST_F(ControlPlaneTest, AnAttachmentLeftDetachingIsDetachedAtOpen) {
     shareblk::control::Database::Transaction tx(db);
     auto row = tx.attachment(attachment);
     ASSERT_TRUE(row.has_value());
-    row->attach_status = "detaching";
+    row->attach_status = shareblk::control::AttachStatus::Detaching;
     tx.update_attachment(*row);
     tx.commit();
   }
@@ -945,7 +968,9 @@ class ServiceTest : public ::testing::Test {
     service_->bind(nullptr, Endpoints{kUnixSocket, kTcpEndpoint});
   }
   Json call(const std::string& method, const Json& params) {
-    return service_->call(method, params, caller_);
+    const shareblk::control::Method* m = shareblk::control::find_method(method);
+    if (m == nullptr) throw std::runtime_error("no method " + method);
+    return m->run(*service_, params, caller_);
   }
   std::string reason(const std::string& method, const Json& params) {
     try {

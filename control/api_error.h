@@ -1,0 +1,24 @@
+// Internal to control/: how a refused call travels from where it is refused to the JSON-RPC
+// reply. The control plane throws ApiError at any depth; the method table turns it into a
+// JSON-RPC error whose data.reason is `reason` (the list in docs/api.md).
+#pragma once
+
+#include <stdexcept>
+#include <string>
+
+namespace shareblk::control {
+
+// `reason` is one of: invalid_params, not_found, volume_in_use, not_multiattach,
+// attachment_id_required, duplicate_attachment, policy_denied, invalid_state, no_space,
+// internal.
+struct ApiError : std::runtime_error {
+  ApiError(std::string why, const std::string& message)
+      : std::runtime_error(message), reason(std::move(why)) {}
+  std::string reason;
+};
+
+[[noreturn]] inline void invalid(const std::string& message) {
+  throw ApiError("invalid_params", message);
+}
+
+}  // namespace shareblk::control

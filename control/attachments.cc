@@ -1,0 +1,261 @@
+// The attachment methods (docs/api.md, "Attachments"). States change only through
+// transition(); exposure and revocation go through the ExportRegistry.
+#include <spdlog/spdlog.h>
+
+#include <algorithm>
+#include <map>
+
+#include "control/service.h"
+
+namespace shareblk::control {
+
+namespace {
+
+// One live attachment per instance and host: a second one is a caller's retry or mistake
+// (Cinder's attachment API has the same rule). `host` is the one `a` has or is about to get.
+void refuse_duplicate(const std::vector<AttachmentRow>& attachments, const AttachmentRow& a,
+                      const std::string& host) {
+  for (const auto& other : attachments) {
+    if (other.id != a.id && is_live(other.attach_status) &&
+        other.instance_uuid == a.instance_uuid && other.attached_host == host) {
+      throw ApiError("duplicate_attachment",
+                     "instance " + a.instance_uuid + " already has attachment " + other.id);
+    }
+  }
+}
+
+// Whether one of two comparable paths is the other or inside it: a mount at either hides or
+// is hidden by a mount at the other.
+bool nested(const std::filesystem::path& a, const std::filesystem::path& b) {
+  auto [ia, ib] = std::mismatch(a.begin(), a.end(), b.begin(), b.end());
+  return ia == a.end() || ib == b.end();
+}
+
+}  // namespace
+
+std::filesystem::path comparable_path(const std::filesystem::path& path) {
+  std::error_code ec;
+  std::filesystem::path p = std::filesystem::weakly_canonical(path, ec);
+  if (ec) p = path.lexically_normal();
+  if (!p.has_filename() && p.has_relative_path()) p = p.parent_path();
+  return p;
+}
+
+// A FUSE mount over another attachment's would be cleared by LocalAttach::mount (it takes it
+// for a stale one), and the other's detach would unmount this one; a mount in or over the
+// state directory would hide the database or the volumes. Refused as invalid_params, as a failed
+// mount is: the caller must name another mountpoint, while invalid_state is about the
+// attachment's own state. The caller's transaction holds the database (and so every
+// attachment_create and attachment_update) until the mount is recorded: no race between two.
+void Service::refuse_taken_mountpoint(Database::Transaction& tx, const AttachmentRow& a,
+                                      const std::string& mountpoint) {
+  const std::filesystem::path wanted = comparable_path(mountpoint);
+  if (nested(wanted, state_dir_)) {
+    invalid("mountpoint " + mountpoint + " overlaps the state directory " + state_dir_.string());
+  }
+  for (const AttachmentRow& other : tx.attachments()) {
+    if (other.id == a.id || !is_live(other.attach_status) || other.connector.empty()) continue;
+    const Json c = Json::parse(other.connector);
+    if (c.value("transport", "") != "fuse" || !c.contains("mountpoint")) continue;
+    const std::string theirs = c["mountpoint"].get<std::string>();
+    if (nested(wanted, comparable_path(theirs))) {
+      invalid("mountpoint " + mountpoint + " overlaps " + theirs + " of attachment " + other.id);
+    }
+  }
+}
+
+// Checks a connector, moves the attachment to attaching and, for FUSE, mounts it. A new
+// connector replaces the old one, and with it any mount the old one had.
+void Service::connect(Database::Transaction& tx, AttachmentRow& a, const VolumeRow& v,
+                      const Json& connector_params) {
+  const Connector connector = decode_connector(connector_params);
+  if (connector.transport == "tcp" && endpoints_.tcp.empty()) {
+    invalid("this daemon has no TCP listener");
+  }
+  if (connector.transport == "unix" && endpoints_.unix_socket.empty()) {
+    invalid("this daemon has no Unix socket listener");
+  }
+  if (connector.transport == "fuse") refuse_taken_mountpoint(tx, a, connector.mountpoint);
+  const AttachStatus next = transition(a.id, a.attach_status, AttachEvent::Connect);
+  exports_.unmount(a.id);
+  if (connector.transport == "fuse") {
+    auto volume = volumes_.open(a.volume_id, v.size);
+    if (!volume) throw ApiError("internal", "cannot open volume " + a.volume_id);
+    exports_.mount(a.id, connector.mountpoint, backend::Handle(volume, a.mode));
+  }
+  a.connector = connector.stored.dump();
+  a.attach_status = next;
+  if (a.attached_host.empty()) a.attached_host = connector.host;
+}
+
+Json Service::attachment_create(const AttachmentSpec& spec) {
+  AttachmentRow a;
+  a.volume_id = spec.volume_id;
+  a.instance_uuid = spec.instance_uuid;
+  a.attached_host = spec.attached_host;
+  a.mode = spec.mode;
+  auto lock_holder = volumes_.lock(spec.volume_id);
+  std::lock_guard lock(*lock_holder);
+  Database::Transaction tx(db_);
+  VolumeRow v = find_volume(tx, spec.volume_id);
+  std::vector<AttachmentRow> current;
+  for (auto& other : tx.attachments(spec.volume_id)) {
+    if (is_live(other.attach_status)) current.push_back(std::move(other));
+  }
+  refuse_duplicate(current, a, a.attached_host);
+  if (!current.empty()) {
+    if (!v.multiattach) {
+      throw ApiError("not_multiattach", "volume " + v.id + " is attached (" + current.front().id +
+                                            ") and is not multiattach");
+    }
+    if (!policy_.allow_multiattach) {
+      throw ApiError("policy_denied", "policy forbids multiattach");
+    }
+    if (v.bootable && !policy_.allow_multiattach_bootable) {
+      throw ApiError("policy_denied", "policy forbids attaching a bootable volume twice");
+    }
+  }
+  a.id = new_uuid();
+  a.export_name = random_hex(16);  // 128 random bits: the name is the capability
+  a.attach_status = AttachStatus::Reserved;
+  a.created_at = now_iso();
+  if (!spec.connector.is_null()) connect(tx, a, v, spec.connector);
+  try {
+    tx.insert_attachment(a);
+    tx.commit();
+  } catch (...) {
+    exports_.unmount(a.id);  // never a mount the database does not know of
+    throw;
+  }
+  spdlog::info("control: attachment {} of volume {} for {} ({}, {})", a.id, v.id, a.instance_uuid,
+               to_string(a.mode), to_string(a.attach_status));
+  return attachment_json(a, v);
+}
+
+Json Service::attachment_update(const std::string& id, const Json& connector) {
+  const std::string volume_id = volume_of(id);
+  auto lock_holder = volumes_.lock(volume_id);
+  std::lock_guard lock(*lock_holder);
+  Database::Transaction tx(db_);
+  AttachmentRow a = find_attachment(tx, id);
+  VolumeRow v = find_volume(tx, volume_id);
+  // A reservation without a host takes the connector's (see connect()): that host must not
+  // make it a duplicate, which attachment_create could not see yet.
+  if (next_status(a.attach_status, AttachEvent::Connect) && a.attached_host.empty() &&
+      connector.is_object() && connector.contains("host") && connector["host"].is_string()) {
+    refuse_duplicate(tx.attachments(volume_id), a, connector["host"].get<std::string>());
+  }
+  connect(tx, a, v, connector);
+  try {
+    tx.update_attachment(a);
+    tx.commit();
+  } catch (...) {
+    exports_.unmount(a.id);
+    throw;
+  }
+  return attachment_json(a, v);
+}
+
+Json Service::attachment_complete(const std::string& id) {
+  const std::string volume_id = volume_of(id);
+  auto lock_holder = volumes_.lock(volume_id);
+  std::lock_guard lock(*lock_holder);
+  Database::Transaction tx(db_);
+  AttachmentRow a = find_attachment(tx, id);
+  VolumeRow v = find_volume(tx, volume_id);
+  const AttachStatus next = transition(a.id, a.attach_status, AttachEvent::Complete);
+  if (next != a.attach_status) {
+    a.attach_status = next;
+    a.attach_time = now_iso();
+    tx.update_attachment(a);
+  }
+  Json out = attachment_json(a, v);
+  tx.commit();
+  return out;
+}
+
+// Marks the attachment detaching (its export name is refused from then on), revokes it
+// (ExportRegistry::revoke: NBD connections closed once their requests in flight are
+// answered), then marks it detached. The caller holds the volume lock.
+Json Service::detach(const std::string& volume_id, const std::string& attachment_id) {
+  VolumeRow v;
+  AttachmentRow a;
+  {
+    Database::Transaction tx(db_);
+    a = find_attachment(tx, attachment_id);
+    v = find_volume(tx, volume_id);
+    const AttachStatus next = transition(a.id, a.attach_status, AttachEvent::Detach);
+    if (next == AttachStatus::Detached) return attachment_json(a, v);  // nothing left to do
+    a.attach_status = next;
+    tx.update_attachment(a);
+    tx.commit();
+  }
+  const bool lazy = exports_.revoke(a.id);
+  Database::Transaction tx(db_);
+  a.attach_status = transition(a.id, a.attach_status, AttachEvent::Finish);
+  a.detach_time = now_iso();
+  tx.update_attachment(a);
+  Json out = attachment_json(a, v);
+  tx.commit();
+  if (lazy) out["unmounted_lazily"] = true;
+  spdlog::info("control: attachment {} of volume {} detached", a.id, volume_id);
+  return out;
+}
+
+Json Service::attachment_delete(const std::string& id) {
+  const std::string volume_id = volume_of(id);
+  auto lock_holder = volumes_.lock(volume_id);
+  std::lock_guard lock(*lock_holder);
+  return detach(volume_id, id);
+}
+
+Json Service::volume_detach(const std::string& volume_id,
+                            std::optional<std::string> attachment_id) {
+  auto lock_holder = volumes_.lock(volume_id);
+  std::lock_guard lock(*lock_holder);
+  {
+    Database::Transaction tx(db_);
+    find_volume(tx, volume_id);
+    std::vector<AttachmentRow> current;
+    for (auto& a : tx.attachments(volume_id)) {
+      if (is_live(a.attach_status)) current.push_back(std::move(a));
+    }
+    if (attachment_id) {
+      AttachmentRow a = find_attachment(tx, *attachment_id);
+      if (a.volume_id != volume_id) {
+        throw ApiError("not_found",
+                       "attachment " + *attachment_id + " is not of volume " + volume_id);
+      }
+    } else if (current.empty()) {
+      throw ApiError("invalid_state", "volume " + volume_id + " is not attached");
+    } else if (current.size() > 1) {
+      throw ApiError("attachment_id_required", "volume " + volume_id + " has " +
+                                                   std::to_string(current.size()) +
+                                                   " attachments; say which to detach");
+    } else {
+      attachment_id = current.front().id;
+    }
+  }
+  return detach(volume_id, *attachment_id);
+}
+
+Json Service::attachment_list(const std::string& volume_id) {
+  Database::Transaction tx(db_);
+  if (!volume_id.empty()) find_volume(tx, volume_id);
+  Json out = Json::array();
+  std::map<std::string, VolumeRow> volumes;
+  for (const AttachmentRow& a : tx.attachments(volume_id)) {
+    auto it = volumes.find(a.volume_id);
+    if (it == volumes.end()) it = volumes.emplace(a.volume_id, find_volume(tx, a.volume_id)).first;
+    out.push_back(attachment_json(a, it->second));
+  }
+  return out;
+}
+
+Json Service::attachment_show(const std::string& id) {
+  Database::Transaction tx(db_);
+  AttachmentRow a = find_attachment(tx, id);
+  return attachment_json(a, find_volume(tx, a.volume_id));
+}
+
+}  // namespace shareblk::control

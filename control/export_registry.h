@@ -1,0 +1,58 @@
+// Internal to control/: the export registry. Everything through which a live attachment's
+// volume is reached from outside the control plane, by attachment id: the NBD server's
+// connections (a connection group per attachment), FUSE mounts, and the control-socket clients
+// that serve the attachment themselves (the nbdkit plugin, subscribed by export_resolve).
+// revoke() cuts all three; it is the only way the control plane takes an attachment away.
+#pragma once
+
+#include <cstddef>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+
+#include "backend/backend.h"
+#include "control/control.h"
+#include "fuse/local_attach.h"
+#include "target/target.h"
+
+namespace shareblk::control {
+
+class ExportRegistry {
+ public:
+  // The NBD server whose connections revoke() closes; nullptr (tests): none to close.
+  void bind_server(target::Server* server) { server_ = server; }
+  // NBD connections of the attachment in transmission phase.
+  size_t connections(const std::string& attachment_id) const;
+
+  // Mounts the attachment's FUSE file at `mountpoint`, replacing a mount it had. Throws
+  // ApiError("invalid_params") with the mount's error.
+  void mount(const std::string& attachment_id, const std::string& mountpoint,
+             const backend::Handle& handle);
+  // Unmounts it if mounted; true when the mount was busy and detached lazily.
+  bool unmount(const std::string& attachment_id);
+
+  // `subscriber` is told (attachment_revoked) when the attachment is revoked. At most
+  // set_max_subscribers() at once, or ApiError("internal"): they hold control connections.
+  void subscribe(const std::string& attachment_id, const std::weak_ptr<Subscriber>& subscriber);
+  void set_max_subscribers(size_t n);
+  size_t subscriber_count() const;  // for tests
+
+  // Takes the attachment away from everyone who reaches it: subscribers are told first (they
+  // refuse it from their next request; not waited for), then its NBD connections are closed
+  // once their requests in flight are answered, then its FUSE mount goes. Returns whether the
+  // mount was detached lazily.
+  bool revoke(const std::string& attachment_id);
+
+ private:
+  void notify_revoked(const std::string& attachment_id);
+
+  target::Server* server_ = nullptr;
+  std::mutex mounts_mutex_;
+  std::map<std::string, std::unique_ptr<fuse::LocalAttach>> mounts_;
+  mutable std::mutex subscribers_mutex_;
+  std::multimap<std::string, std::weak_ptr<Subscriber>> subscribers_;
+  size_t max_subscribers_ = SIZE_MAX;
+};
+
+}  // namespace shareblk::control

@@ -1,0 +1,142 @@
+#include "control/methods.h"
+
+#include <array>
+
+namespace shareblk::control {
+
+namespace {
+
+constexpr size_t kMaxName = 255;
+
+std::string volume_name(const std::string& name) {
+  if (name.size() > kMaxName) invalid("name is longer than 255 bytes");
+  return name;
+}
+
+Json volume_create(Service& s, const Json& p, const Caller&) {
+  VolumeSpec spec;
+  spec.name = volume_name(need_string(p, "name"));
+  spec.size = need_size(p, "size");
+  spec.multiattach = opt_bool(p, "multiattach").value_or(false);
+  spec.bootable = opt_bool(p, "bootable").value_or(false);
+  return s.volume_create(spec);
+}
+
+Json volume_list(Service& s, const Json&, const Caller&) {
+  return s.volume_list();
+}
+
+Json volume_show(Service& s, const Json& p, const Caller&) {
+  return s.volume_show(need_string(p, "volume_id"));
+}
+
+Json volume_delete(Service& s, const Json& p, const Caller&) {
+  return s.volume_delete(need_string(p, "volume_id"));
+}
+
+Json volume_extend(Service& s, const Json& p, const Caller&) {
+  const std::string id = need_string(p, "volume_id");
+  return s.volume_extend(id, need_size(p, "size"));
+}
+
+Json volume_update(Service& s, const Json& p, const Caller&) {
+  VolumeChange change;
+  change.id = need_string(p, "volume_id");
+  change.name = opt_string(p, "name");
+  if (change.name && (change.name->empty() || change.name->size() > kMaxName)) {
+    invalid("name must be 1 to 255 bytes");
+  }
+  change.multiattach = opt_bool(p, "multiattach");
+  change.bootable = opt_bool(p, "bootable");
+  return s.volume_update(change);
+}
+
+Json volume_detach(Service& s, const Json& p, const Caller&) {
+  const std::string volume_id = need_string(p, "volume_id");
+  return s.volume_detach(volume_id, opt_string(p, "attachment_id"));
+}
+
+Json attachment_create(Service& s, const Json& p, const Caller&) {
+  AttachmentSpec spec;
+  spec.volume_id = need_string(p, "volume_id");
+  spec.instance_uuid = need_string(p, "instance_uuid");
+  spec.attached_host = opt_string(p, "attached_host").value_or("");
+  // A connector names the host when the call does not; the duplicate check must compare that
+  // same host, or one instance could attach twice through one host.
+  if (p.contains("connector")) spec.connector = p["connector"];
+  if (spec.attached_host.empty() && spec.connector.is_object()) {
+    spec.attached_host = opt_string(spec.connector, "host").value_or("");
+  }
+  spec.mode = opt_mode(p, "mode");
+  return s.attachment_create(spec);
+}
+
+Json attachment_update(Service& s, const Json& p, const Caller&) {
+  const std::string id = need_string(p, "attachment_id");
+  if (!p.contains("connector")) invalid("missing parameter 'connector'");
+  return s.attachment_update(id, p["connector"]);
+}
+
+Json attachment_complete(Service& s, const Json& p, const Caller&) {
+  return s.attachment_complete(need_string(p, "attachment_id"));
+}
+
+Json attachment_delete(Service& s, const Json& p, const Caller&) {
+  return s.attachment_delete(need_string(p, "attachment_id"));
+}
+
+Json attachment_list(Service& s, const Json& p, const Caller&) {
+  return s.attachment_list(opt_string(p, "volume_id").value_or(""));
+}
+
+Json attachment_show(Service& s, const Json& p, const Caller&) {
+  return s.attachment_show(need_string(p, "attachment_id"));
+}
+
+Json export_resolve(Service& s, const Json& p, const Caller& caller) {
+  return s.export_resolve(need_string(p, "export_name"), caller);
+}
+
+// The params each method accepts; any other key is invalid_params.
+constexpr std::string_view kVolumeCreate[] = {"name", "size", "multiattach", "bootable"};
+constexpr std::string_view kVolumeId[] = {"volume_id"};
+constexpr std::string_view kVolumeUpdate[] = {"volume_id", "name", "multiattach", "bootable"};
+constexpr std::string_view kVolumeExtend[] = {"volume_id", "size"};
+constexpr std::string_view kVolumeDetach[] = {"volume_id", "attachment_id"};
+constexpr std::string_view kAttachmentCreate[] = {"volume_id", "instance_uuid", "attached_host",
+                                                  "mode", "connector"};
+constexpr std::string_view kAttachmentUpdate[] = {"attachment_id", "connector"};
+constexpr std::string_view kAttachmentId[] = {"attachment_id"};
+constexpr std::string_view kExportResolve[] = {"export_name"};
+
+constexpr std::array kMethods = {
+    Method{"volume_create", kVolumeCreate, volume_create},
+    Method{"volume_list", {}, volume_list},
+    Method{"volume_show", kVolumeId, volume_show},
+    Method{"volume_update", kVolumeUpdate, volume_update},
+    Method{"volume_extend", kVolumeExtend, volume_extend},
+    Method{"volume_delete", kVolumeId, volume_delete},
+    Method{"volume_detach", kVolumeDetach, volume_detach},
+    Method{"attachment_create", kAttachmentCreate, attachment_create},
+    Method{"attachment_update", kAttachmentUpdate, attachment_update},
+    Method{"attachment_complete", kAttachmentId, attachment_complete},
+    Method{"attachment_delete", kAttachmentId, attachment_delete},
+    Method{"attachment_list", kVolumeId, attachment_list},
+    Method{"attachment_show", kAttachmentId, attachment_show},
+    Method{"export_resolve", kExportResolve, export_resolve},
+};
+
+}  // namespace
+
+std::span<const Method> method_table() {
+  return kMethods;
+}
+
+const Method* find_method(std::string_view name) {
+  for (const Method& m : kMethods) {
+    if (m.name == name) return &m;
+  }
+  return nullptr;
+}
+
+}  // namespace shareblk::control

@@ -1,0 +1,46 @@
+// Internal to control/: decoding a call's params, strictly. An unknown key, a missing one or a
+// value of the wrong type is ApiError("invalid_params") naming the key: an unknown key is more
+// likely a typo than an intent (README "Choices").
+#pragma once
+
+#include <cstdint>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+
+#include "backend/backend.h"
+
+namespace shareblk::control {
+
+using Json = nlohmann::json;
+
+// Refuses any key of `p` not in `keys`.
+void only_keys(const Json& p, std::span<const std::string_view> keys);
+// A non-empty string.
+std::string need_string(const Json& p, const char* key);
+// Absent or null: nullopt.
+std::optional<std::string> opt_string(const Json& p, const char* key);
+std::optional<bool> opt_bool(const Json& p, const char* key);
+// "rw" (the default when absent) or "ro".
+backend::AttachMode opt_mode(const Json& p, const char* key);
+
+// Bytes, or a string with a K/M/G/T suffix (powers of 1024): a positive multiple of 512,
+// at most 2^62.
+uint64_t parse_size(const Json& v);
+// The size at `key`, which must be present.
+uint64_t need_size(const Json& p, const char* key);
+
+// A connector (Cinder's connector properties, plus shareblk's transport and mountpoint), with
+// its fields checked; `stored` is what is kept: nulls dropped, the transport filled in.
+struct Connector {
+  std::string host;
+  std::string transport;   // "tcp" (default), "unix" or "fuse"
+  std::string mountpoint;  // fuse only: an absolute path
+  std::optional<std::string> ip;
+  Json stored;
+};
+Connector decode_connector(const Json& connector);
+
+}  // namespace shareblk::control

@@ -1,0 +1,78 @@
+// What the API shows of volumes and attachments (docs/api.md, "Objects").
+#include "control/service.h"
+
+namespace shareblk::control {
+
+std::string volume_status(const std::vector<AttachmentRow>& attachments) {
+  // Derived on every read, never stored: the most advanced state of any attachment.
+  for (AttachStatus status : {AttachStatus::Attached, AttachStatus::Attaching,
+                              AttachStatus::Reserved, AttachStatus::Detaching}) {
+    for (const auto& a : attachments) {
+      if (a.attach_status == status) {
+        return status == AttachStatus::Attached ? "in-use" : std::string(to_string(status));
+      }
+    }
+  }
+  return "available";
+}
+
+Json Service::connection_info(const AttachmentRow& a, const VolumeRow& v) {
+  if (!is_serving(a.attach_status) || a.connector.empty()) return nullptr;
+  const Json connector = Json::parse(a.connector);
+  const std::string transport = connector.value("transport", "tcp");
+  const std::string mode(to_string(a.mode));
+  if (transport == "fuse") {
+    return Json{{"driver_volume_type", "local"},
+                {"data",
+                 {{"device_path", connector["mountpoint"].get<std::string>() + "/disk"},
+                  {"access_mode", mode},
+                  {"shareable", v.multiattach},
+                  {"size", v.size}}}};
+  }
+  std::string uri;
+  if (transport == "unix") {
+    uri = "nbd+unix:///" + a.export_name + "?socket=" + endpoints_.unix_socket;
+  } else {
+    uri = "nbd://" + endpoints_.tcp + "/" + a.export_name;
+  }
+  return Json{{"driver_volume_type", "nbd"},
+              {"data",
+               {{"export_name", a.export_name},
+                {"uri", uri},
+                {"access_mode", mode},
+                {"shareable", v.multiattach},
+                {"size", v.size}}}};
+}
+
+Json Service::attachment_json(const AttachmentRow& a, const VolumeRow& v) {
+  auto or_null = [](const std::string& s) { return s.empty() ? Json(nullptr) : Json(s); };
+  return Json{{"id", a.id},
+              {"volume_id", a.volume_id},
+              {"instance_uuid", a.instance_uuid},
+              {"attached_host", or_null(a.attached_host)},
+              {"mode", to_string(a.mode)},
+              {"attach_status", to_string(a.attach_status)},
+              {"attach_time", or_null(a.attach_time)},
+              {"detach_time", or_null(a.detach_time)},
+              {"connector", a.connector.empty() ? Json(nullptr) : Json::parse(a.connector)},
+              {"connection_info", connection_info(a, v)},
+              {"connections", exports_.connections(a.id)}};
+}
+
+Json Service::volume_json(Database::Transaction& tx, const VolumeRow& v) {
+  std::vector<AttachmentRow> all = tx.attachments(v.id);
+  Json attachments = Json::array();
+  for (const auto& a : all) {
+    if (is_live(a.attach_status)) attachments.push_back(attachment_json(a, v));
+  }
+  return Json{{"id", v.id},
+              {"name", v.name},
+              {"size", v.size},
+              {"multiattach", v.multiattach},
+              {"bootable", v.bootable},
+              {"status", volume_status(all)},
+              {"created_at", v.created_at},
+              {"attachments", attachments}};
+}
+
+}  // namespace shareblk::control

@@ -1,0 +1,48 @@
+// Internal to control/: the volume registry, the control plane's one way to a volume's bytes.
+// It owns the store's calls (create, extend, remove: failures become ApiError with the reasons
+// no_space, not_found or internal), the cache of open volumes that every connection of a volume
+// shares, and the per-volume locks that serialize every change to a volume and its attachments.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "backend/backend.h"
+#include "lvm/volume_store.h"
+
+namespace shareblk::control {
+
+class VolumeRegistry {
+ public:
+  explicit VolumeRegistry(lvm::VolumeStore& store) : store_(store) {}
+
+  // Held while a call changes the volume or its attachments. The table keeps an entry only
+  // while someone holds or waits for it: ids come from clients, unknown ones included.
+  std::shared_ptr<std::mutex> lock(const std::string& volume_id);
+  size_t lock_count() const;  // for tests
+
+  // Throw ApiError.
+  void create(const std::string& id, uint64_t size);
+  void extend(const std::string& id, uint64_t size);  // and the open volume sees the new size
+  void remove(const std::string& id);                 // forgets the open volume first
+
+  // The open volume, opened on first use; nullptr (logged) when the store cannot open it.
+  std::shared_ptr<backend::Volume> open(const std::string& id, uint64_t size);
+
+  // At start-up: what the store holds against the ids the database knows, logged, never
+  // "fixed" by deleting anything.
+  void reconcile(const std::vector<std::pair<std::string, std::string>>& known_ids_and_names);
+
+ private:
+  lvm::VolumeStore& store_;
+  mutable std::mutex locks_mutex_;
+  std::map<std::string, std::weak_ptr<std::mutex>> locks_;
+  std::mutex open_mutex_;
+  std::map<std::string, std::shared_ptr<backend::Volume>> open_;
+};
+
+}  // namespace shareblk::control
