@@ -166,9 +166,12 @@ void Database::migrate(const std::string& path) {
   exec("PRAGMA foreign_keys=OFF");
   exec("BEGIN IMMEDIATE");
   try {
-    Statement tables(
-        db_, "SELECT count(*) FROM sqlite_master WHERE type = 'table' AND name = 'volumes'");
-    const bool fresh = tables.step() && tables.integer(0) == 0;
+    bool fresh = false;
+    {  // finalized before the tables change: an open statement locks them
+      Statement tables(
+          db_, "SELECT count(*) FROM sqlite_master WHERE type = 'table' AND name = 'volumes'");
+      fresh = tables.step() && tables.integer(0) == 0;
+    }
     if (fresh) {
       exec(kVolumesTable);
       exec(attachment_table("volume_attachment").c_str());

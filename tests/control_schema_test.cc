@@ -1,0 +1,202 @@
+// The control plane's state database across releases (docs/state.md): versioned, constrained,
+// migrated forward in one transaction, and never touched by a release older than it. Also the
+// store's failures as the API reports them, through the fake store.
+#include <gtest/gtest.h>
+#include <sqlite3.h>
+
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <string>
+
+#include "control/control.h"
+#include "control/db.h"
+#include "tests/fake_volume_store.h"
+#include "tests/support.h"
+
+namespace {
+
+namespace fs = std::filesystem;
+using Json = nlohmann::json;
+using shareblk::control::ControlPlane;
+using shareblk::testing::FakeVolumeStore;
+
+const fs::path kFixtures = SHAREBLK_FIXTURES_DIR;
+
+std::string slurp(const fs::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::stringstream all;
+  all << in.rdbuf();
+  return all.str();
+}
+
+// Runs `sql` on the database file directly, as an operator's sqlite3 would; returns the first
+// column of the first row, or the error text prefixed with "error: ".
+std::string sql(const std::string& path, const std::string& statement) {
+  sqlite3* db = nullptr;
+  std::string out;
+  if (sqlite3_open(path.c_str(), &db) != SQLITE_OK) return "error: open";
+  sqlite3_stmt* stmt = nullptr;
+  if (sqlite3_prepare_v2(db, statement.c_str(), -1, &stmt, nullptr) != SQLITE_OK) {
+    out = std::string("error: ") + sqlite3_errmsg(db);
+  } else {
+    int rc = sqlite3_step(stmt);
+    if (rc == SQLITE_ROW) {
+      const auto* text = sqlite3_column_text(stmt, 0);
+      out = text ? reinterpret_cast<const char*>(text) : "";
+    } else if (rc != SQLITE_DONE) {
+      out = std::string("error: ") + sqlite3_errmsg(db);
+    }
+  }
+  sqlite3_finalize(stmt);
+  sqlite3_close(db);
+  return out;
+}
+
+class StateDatabaseTest : public ::testing::Test {
+ protected:
+  std::string db_path() const { return dir_ / "shareblk.db"; }
+  void copy_fixture() { fs::copy_file(kFixtures / "state-v0.db", db_path()); }
+
+  Json call(ControlPlane& plane, const std::string& method, const Json& params = Json::object()) {
+    const Json req{{"jsonrpc", "2.0"}, {"id", 1}, {"method", method}, {"params", params}};
+    return Json::parse(plane.handle(req.dump(), caller_));
+  }
+
+  shareblk::testing::TempDir dir_;
+  FakeVolumeStore store_;
+  shareblk::control::Caller caller_{1, 0};
+};
+
+// state-v0.db was written by shareblkd 0.1.0 (the unversioned schema): three volumes and an
+// attachment in each state it could leave behind. Opening it migrates it to the current
+// version, and every field reads back as 0.1.0 showed it (the state-v0-*.json files).
+TEST_F(StateDatabaseTest, A010DatabaseIsMigratedWithNothingLost) {
+  copy_fixture();
+  ASSERT_EQ(sql(db_path(), "PRAGMA user_version"), "0");
+  Json before_attachments = Json::parse(slurp(kFixtures / "state-v0-attachments.json"));
+  Json before_volumes = Json::parse(slurp(kFixtures / "state-v0-volumes.json"));
+  {
+    ControlPlane plane(db_path(), store_, {});
+    plane.bind(nullptr, {"/run/x/nbd.sock", "127.0.0.1:10809"});
+    Json attachments = call(plane, "attachment_list")["result"];
+    ASSERT_EQ(attachments.size(), before_attachments.size()) << attachments;
+    for (size_t i = 0; i < attachments.size(); ++i) {
+      const Json& now = attachments[i];
+      const Json& then = before_attachments[i];
+      for (const char* field : {"id", "volume_id", "instance_uuid", "attached_host", "mode",
+                                "attach_status", "attach_time", "detach_time", "connector"}) {
+        EXPECT_EQ(now[field], then[field]) << field << " of " << then["id"];
+      }
+      EXPECT_EQ(now["connection_info"].is_null(), then["connection_info"].is_null());
+      if (!then["connection_info"].is_null()) {
+        EXPECT_EQ(now["connection_info"]["data"]["export_name"],
+                  then["connection_info"]["data"]["export_name"]);
+      }
+    }
+    Json volumes = call(plane, "volume_list")["result"];
+    ASSERT_EQ(volumes.size(), before_volumes.size());
+    for (size_t i = 0; i < volumes.size(); ++i) {
+      for (const char* field :
+           {"id", "name", "size", "multiattach", "bootable", "status", "created_at"}) {
+        EXPECT_EQ(volumes[i][field], before_volumes[i][field]) << field;
+      }
+      EXPECT_EQ(volumes[i]["attachments"].size(), before_volumes[i]["attachments"].size());
+    }
+    // The rules hold on the migrated state: an instance cannot attach twice through a host.
+    const std::string shared = before_volumes[0]["id"];
+    Json dup =
+        call(plane, "attachment_create",
+             {{"volume_id", shared}, {"instance_uuid", "inst-a"}, {"attached_host", "node-a"}});
+    EXPECT_EQ(dup["error"]["data"]["reason"], "duplicate_attachment") << dup;
+  }
+  EXPECT_EQ(sql(db_path(), "PRAGMA user_version"),
+            std::to_string(shareblk::control::kSchemaVersion));
+  // A second open finds nothing to do.
+  ControlPlane again(db_path(), store_, {});
+  EXPECT_EQ(call(again, "attachment_list")["result"].size(), before_attachments.size());
+}
+
+TEST_F(StateDatabaseTest, TheStatusColumnAdmitsOnlyTheLifecycleStates) {
+  { ControlPlane plane(db_path(), store_, {}); }
+  EXPECT_EQ(sql(db_path(), "PRAGMA user_version"),
+            std::to_string(shareblk::control::kSchemaVersion));
+  EXPECT_EQ(sql(db_path(), "INSERT INTO volumes VALUES ('v', 'n', 512, 0, 0, 't')"), "");
+  const std::string insert =
+      "INSERT INTO volume_attachment VALUES ('a', 'v', 'i', 'h', 'rw', '%s', '', '', '', 'e', 't')";
+  std::string bogus = insert;
+  bogus.replace(bogus.find("%s"), 2, "in-use");
+  EXPECT_NE(sql(db_path(), bogus).find("CHECK constraint failed"), std::string::npos);
+  std::string good = insert;
+  good.replace(good.find("%s"), 2, "detached");
+  EXPECT_EQ(sql(db_path(), good), "");
+}
+
+TEST_F(StateDatabaseTest, ANewerDatabaseIsRefusedAndLeftAsItWas) {
+  copy_fixture();
+  ASSERT_EQ(sql(db_path(), "PRAGMA user_version = 99"), "");
+  const std::string before = slurp(db_path());
+  try {
+    ControlPlane plane(db_path(), store_, {});
+    ADD_FAILURE() << "a database of version 99 was opened";
+  } catch (const std::exception& e) {
+    const std::string message = e.what();
+    EXPECT_NE(message.find("schema version 99"), std::string::npos) << message;
+    EXPECT_NE(message.find("newer"), std::string::npos) << message;
+  }
+  EXPECT_EQ(slurp(db_path()), before);
+  EXPECT_EQ(sql(db_path(), "PRAGMA user_version"), "99");
+}
+
+// A migration that fails half way (here a row the new constraint refuses) changes nothing.
+TEST_F(StateDatabaseTest, AFailedMigrationChangesNothing) {
+  copy_fixture();
+  ASSERT_EQ(sql(db_path(),
+                "UPDATE volume_attachment SET attach_status = 'bogus' WHERE "
+                "attach_status = 'reserved'"),
+            "");
+  const std::string rows =
+      sql(db_path(), "SELECT group_concat(attach_status) FROM volume_attachment");
+  try {
+    ControlPlane plane(db_path(), store_, {});
+    ADD_FAILURE() << "a database with an unknown attach_status was opened";
+  } catch (const std::exception& e) {
+    const std::string message = e.what();
+    EXPECT_NE(message.find("CHECK constraint failed"), std::string::npos) << message;
+    EXPECT_NE(message.find("nothing was changed"), std::string::npos) << message;
+  }
+  EXPECT_EQ(sql(db_path(), "PRAGMA user_version"), "0");
+  EXPECT_EQ(sql(db_path(), "SELECT group_concat(attach_status) FROM volume_attachment"), rows);
+}
+
+// --- The store's failures, as the API reports them ---
+
+TEST_F(StateDatabaseTest, StoreFailuresHaveTheirReasonsAndLeaveNoRow) {
+  ControlPlane plane(db_path(), store_, {});
+  plane.bind(nullptr, {"/run/x/nbd.sock", "127.0.0.1:10809"});
+  store_.fail_next(FakeVolumeStore::Call::Create, ENOSPC);
+  Json full = call(plane, "volume_create", {{"name", "v"}, {"size", "1M"}});
+  EXPECT_EQ(full["error"]["data"]["reason"], "no_space") << full;
+  store_.fail_next(FakeVolumeStore::Call::Create, EIO);
+  Json broken = call(plane, "volume_create", {{"name", "v"}, {"size", "1M"}});
+  EXPECT_EQ(broken["error"]["data"]["reason"], "internal") << broken;
+  EXPECT_EQ(call(plane, "volume_list")["result"].size(), 0u);
+  EXPECT_TRUE(store_.volumes().empty());
+
+  const std::string id =
+      call(plane, "volume_create", {{"name", "v"}, {"size", "1M"}})["result"]["id"];
+  store_.fail_next(FakeVolumeStore::Call::Extend, ENOSPC);
+  Json grow = call(plane, "volume_extend", {{"volume_id", id}, {"size", "2M"}});
+  EXPECT_EQ(grow["error"]["data"]["reason"], "no_space") << grow;
+  EXPECT_EQ(call(plane, "volume_show", {{"volume_id", id}})["result"]["size"], 1u << 20);
+  // A store that cannot remove the backing leaves the volume to retry on.
+  store_.fail_next(FakeVolumeStore::Call::Remove, EIO);
+  Json del = call(plane, "volume_delete", {{"volume_id", id}});
+  EXPECT_EQ(del["error"]["data"]["reason"], "internal") << del;
+  EXPECT_EQ(call(plane, "volume_show", {{"volume_id", id}})["result"]["id"], id);
+  EXPECT_TRUE(call(plane, "volume_delete", {{"volume_id", id}})["result"]["deleted"]);
+  EXPECT_TRUE(store_.volumes().empty());
+}
+
+}  // namespace
