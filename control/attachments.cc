@@ -59,7 +59,10 @@ void Service::refuse_taken_mountpoint(Database::Transaction& tx, const Attachmen
     if (c.value("transport", "") != "fuse" || !c.contains("mountpoint")) continue;
     const std::string theirs = c["mountpoint"].get<std::string>();
     if (nested(wanted, comparable_path(theirs))) {
-      invalid("mountpoint " + mountpoint + " overlaps " + theirs + " of attachment " + other.id);
+      std::string why = "mountpoint " + mountpoint;
+      why += " overlaps " + theirs;
+      why += " of attachment " + other.id;
+      invalid(why);
     }
   }
 }
@@ -83,7 +86,7 @@ void Service::connect(Database::Transaction& tx, AttachmentRow& a, const VolumeR
     if (!volume) throw ApiError("internal", "cannot open volume " + a.volume_id);
     exports_.mount(a.id, connector.mountpoint, backend::Handle(volume, a.mode));
   }
-  a.connector = connector.stored.dump();
+  a.connector = connector.stored;
   a.attach_status = next;
   if (a.attached_host.empty()) a.attached_host = connector.host;
 }
@@ -119,7 +122,9 @@ Json Service::attachment_create(const AttachmentSpec& spec) {
   a.export_name = random_hex(16);  // 128 random bits: the name is the capability
   a.attach_status = AttachStatus::Reserved;
   a.created_at = now_iso();
-  if (!spec.connector.is_null()) connect(tx, a, v, spec.connector);
+  if (spec.connector != nullptr && !spec.connector->is_null()) {
+    connect(tx, a, v, *spec.connector);
+  }
   try {
     tx.insert_attachment(a);
     tx.commit();

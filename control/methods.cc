@@ -63,9 +63,9 @@ Json attachment_create(Service& s, const Json& p, const Caller&) {
   spec.attached_host = opt_string(p, "attached_host").value_or("");
   // A connector names the host when the call does not; the duplicate check must compare that
   // same host, or one instance could attach twice through one host.
-  if (p.contains("connector")) spec.connector = p["connector"];
-  if (spec.attached_host.empty() && spec.connector.is_object()) {
-    spec.attached_host = opt_string(spec.connector, "host").value_or("");
+  if (auto it = p.find("connector"); it != p.end()) spec.connector = &*it;
+  if (spec.attached_host.empty() && spec.connector != nullptr && spec.connector->is_object()) {
+    spec.attached_host = opt_string(*spec.connector, "host").value_or("");
   }
   spec.mode = opt_mode(p, "mode");
   return s.attachment_create(spec);

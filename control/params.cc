@@ -109,11 +109,12 @@ Connector decode_connector(const Json& connector) {
     }
   }
   // A null value means absent (opt_string above): stored, it would read as a value later.
-  c.stored = Json::object();
+  Json stored = Json::object();
   for (const auto& [key, value] : connector.items()) {
-    if (!value.is_null()) c.stored[key] = value;
+    if (!value.is_null()) stored[key] = value;
   }
-  c.stored["transport"] = c.transport;
+  stored["transport"] = c.transport;
+  c.stored = stored.dump();
   return c;
 }
 

@@ -33,13 +33,14 @@ uint64_t parse_size(const Json& v);
 uint64_t need_size(const Json& p, const char* key);
 
 // A connector (Cinder's connector properties, plus shareblk's transport and mountpoint), with
-// its fields checked; `stored` is what is kept: nulls dropped, the transport filled in.
+// its fields checked; `stored` is what is kept (JSON text): nulls dropped, the transport
+// filled in.
 struct Connector {
   std::string host;
   std::string transport;   // "tcp" (default), "unix" or "fuse"
   std::string mountpoint;  // fuse only: an absolute path
   std::optional<std::string> ip;
-  Json stored;
+  std::string stored;
 };
 Connector decode_connector(const Json& connector);
 

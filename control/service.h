@@ -42,7 +42,9 @@ struct AttachmentSpec {
   std::string instance_uuid;
   std::string attached_host;  // "" when neither it nor the connector's host was given
   backend::AttachMode mode = backend::AttachMode::ReadWrite;
-  Json connector;  // null: a reservation; otherwise checked by decode_connector()
+  // Points into the call's params; nullptr or null: a reservation. Checked by
+  // decode_connector() once the volume is known, so that not_found comes first.
+  const Json* connector = nullptr;
 };
 
 class Service {
