@@ -10,7 +10,7 @@
 - `context`: the state a run shares (`Context`, `Result`) and the progress log; `procs`:
   processes started and stopped by pid; `nbd`: the handshake-only NBD client.
 
-Imports go one way, with no cycles: cli -> report -> jobs -> frontends -> servers -> procs,
-nbd, context (measure sits beside servers). `report` only reads `Context.results`; it starts
-nothing.
+Imports go one way, with no cycles: cli -> report -> jobs -> frontends -> servers, and
+jobs -> measure -> servers; below them all are procs, nbd and context. `report` only reads
+`Context.results`; it starts nothing.
 """
