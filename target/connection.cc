@@ -47,17 +47,22 @@ uint32_t wire_error(int err) {
 }
 
 // Which command flags each command accepts; any other gets EINVAL (proto.md "Error values").
-uint16_t allowed_flags(uint16_t type, bool structured) {
+// FUA is valid on every command once NBD_FLAG_SEND_FUA is advertised (proto.md "Command
+// flags"); where a command writes nothing there is nothing to make durable, and it is ignored.
+uint16_t allowed_flags(uint16_t type, const Session& session) {
+  const uint16_t fua = (session.transmission_flags & kFlagSendFua) ? kCmdFlagFua : 0;
   switch (type) {
     case kCmdRead:
-      return structured ? kCmdFlagDf : 0;
+      return fua | (session.structured_replies ? kCmdFlagDf : 0);
     case kCmdWrite:
+    case kCmdFlush:
     case kCmdTrim:
-      return kCmdFlagFua;
+    case kCmdCache:
+      return fua;
     case kCmdWriteZeroes:
-      return kCmdFlagFua | kCmdFlagNoHole | kCmdFlagFastZero;
+      return fua | kCmdFlagNoHole | kCmdFlagFastZero;
     case kCmdBlockStatus:
-      return kCmdFlagReqOne;
+      return fua | kCmdFlagReqOne;
     default:
       return 0;
   }
@@ -275,7 +280,7 @@ bool Connection::begin_request(const nbd::Request& h) {
   } else if (!op) {
     err = EINVAL;  // unknown command
   }
-  if (h.flags & ~allowed_flags(h.type, session_.structured_replies)) err = EINVAL;
+  if (h.flags & ~allowed_flags(h.type, session_)) err = EINVAL;
   const bool has_payload = h.type == kCmdWrite;
   const bool needs_buffer = has_payload || h.type == kCmdRead;
   if (!err && needs_buffer && h.length > kMaxPayload) err = EOVERFLOW;
