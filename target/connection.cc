@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <limits>
 #include <optional>
 #include <utility>
 
@@ -375,11 +376,14 @@ void Connection::encode_reply(Request* r, int err) {
     add(p, kSimpleReplySize);
     if (wire == 0 && r->type == kCmdRead && r->length > 0) add(r->buf, r->length);
   } else if (wire != 0) {
-    // An error chunk says what went wrong; for reads, also where (ERROR_OFFSET).
+    // An error chunk says what went wrong; for reads, also where (ERROR_OFFSET). That offset
+    // MUST lie within the request (proto.md "Structured reply types"): a read that names no
+    // byte, or whose end does not fit in 64 bits, has none to give and gets a plain ERROR.
     const char* text = strerrordesc_np(err);
     const uint16_t text_len =
         static_cast<uint16_t>(std::min<size_t>(text ? std::strlen(text) : 0, 200));
-    const bool with_offset = r->type == kCmdRead;
+    const bool with_offset = r->type == kCmdRead && r->length > 0 &&
+                             r->offset <= std::numeric_limits<uint64_t>::max() - r->length;
     const uint32_t length = 4 + 2 + text_len + (with_offset ? 8 : 0);
     encode_chunk_header(p, kReplyFlagDone, with_offset ? kReplyErrorOffset : kReplyError, r->cookie,
                         length);

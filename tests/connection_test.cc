@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <chrono>
 #include <future>
+#include <limits>
 #include <optional>
 #include <string>
 #include <thread>
@@ -337,6 +338,63 @@ TEST(ConnectionTest, FuaIsAcceptedOnEveryCommandWithStructuredReplies) {
       EXPECT_EQ(chunk.payload.substr(8), std::string(kLength, 'f'));
     }
   }
+  w.worker().stop();
+  ::close(client);
+}
+
+// An error chunk with an offset (NBD_REPLY_TYPE_ERROR_OFFSET) must name one within the request
+// (proto.md "Structured reply types"), so a request that names no byte gets one without
+// (NBD_REPLY_TYPE_ERROR). A zero-length READ past the end got ERROR_OFFSET with its own offset,
+// and libnbd dropped the connection for it as a server bug.
+TEST(ConnectionTest, ReadErrorChunksNameOnlyOffsetsInsideTheRequest) {
+  constexpr uint64_t kSize = 1 << 20;
+  constexpr uint64_t kMax = std::numeric_limits<uint64_t>::max();
+  WorkerOnAFile w(kSize);
+  ASSERT_TRUE(w.started());
+  const int client = w.connect(backend::AttachMode::ReadOnly, /*structured_replies=*/true);
+  ASSERT_GE(client, 0);
+
+  struct Case {
+    const char* what;
+    uint64_t offset;
+    uint32_t length;
+  };
+  const Case cases[] = {
+      {"zero-length READ past the end", kSize + 4096, 0},
+      {"zero-length READ at the last offset", kMax, 0},
+      {"READ past the end", kSize, 4096},
+      {"READ whose end wraps around 2^64", kMax - 4095, 8192},
+  };
+  uint64_t cookie = 0;
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.what);
+    ASSERT_TRUE(send_request(client, nbd::kCmdRead, ++cookie, c.offset, c.length));
+    const std::optional<std::vector<Chunk>> reply = recv_structured_reply(client);
+    ASSERT_TRUE(reply) << "no whole structured reply";
+    ASSERT_EQ(reply->size(), 1u);
+    const Chunk& chunk = reply->front();
+    EXPECT_EQ(chunk.cookie, cookie);
+    ASSERT_TRUE(chunk.type == nbd::kReplyError || chunk.type == nbd::kReplyErrorOffset)
+        << "chunk type " << chunk.type;
+    ASSERT_GE(chunk.payload.size(), 6u);
+    const auto* p = reinterpret_cast<const uint8_t*>(chunk.payload.data());
+    EXPECT_EQ(nbd::get32(p), nbd::kEinval);
+    const size_t message = nbd::get16(p + 4);
+    const size_t trailer = chunk.type == nbd::kReplyErrorOffset ? 8 : 0;
+    ASSERT_EQ(chunk.payload.size(), 6 + message + trailer);
+    if (chunk.type == nbd::kReplyErrorOffset) {
+      // Inside [offset, offset + length), as a client computes it: in 64 bits.
+      const uint64_t at = nbd::get64(p + 6 + message);
+      EXPECT_TRUE(c.length > 0 && c.offset <= kMax - c.length && at >= c.offset &&
+                  at < c.offset + c.length)
+          << "error offset " << at;
+    }
+  }
+  // The connection goes on: a READ gets its bytes.
+  ASSERT_TRUE(send_request(client, nbd::kCmdRead, ++cookie, 0, 4096));
+  const std::optional<std::vector<Chunk>> reply = recv_structured_reply(client);
+  ASSERT_TRUE(reply);
+  for (const Chunk& chunk : *reply) EXPECT_FALSE(chunk.is_error()) << "chunk type " << chunk.type;
   w.worker().stop();
   ::close(client);
 }
