@@ -141,7 +141,6 @@ inline constexpr uint32_t kMaxStringLength = 4096;
 inline constexpr uint32_t kMaxOptionLength = 64 * 1024;
 inline constexpr uint32_t kMaxPayload = 32 * 1024 * 1024;  // advertised maximum block size
 inline constexpr uint32_t kPreferredBlock = 4096;
-inline constexpr uint32_t kMaxDfRead = 64 * 1024;
 
 // --- Big-endian codec ---
 inline void put16(uint8_t* p, uint16_t v) {
