@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <limits>
 #include <optional>
 #include <utility>
 
@@ -47,17 +48,22 @@ uint32_t wire_error(int err) {
 }
 
 // Which command flags each command accepts; any other gets EINVAL (proto.md "Error values").
-uint16_t allowed_flags(uint16_t type, bool structured) {
+// FUA is valid on every command once NBD_FLAG_SEND_FUA is advertised (proto.md "Command
+// flags"); where a command writes nothing there is nothing to make durable, and it is ignored.
+uint16_t allowed_flags(uint16_t type, const Session& session) {
+  const uint16_t fua = (session.transmission_flags & kFlagSendFua) ? kCmdFlagFua : 0;
   switch (type) {
     case kCmdRead:
-      return structured ? kCmdFlagDf : 0;
+      return fua | (session.structured_replies ? kCmdFlagDf : 0);
     case kCmdWrite:
+    case kCmdFlush:
     case kCmdTrim:
-      return kCmdFlagFua;
+    case kCmdCache:
+      return fua;
     case kCmdWriteZeroes:
-      return kCmdFlagFua | kCmdFlagNoHole | kCmdFlagFastZero;
+      return fua | kCmdFlagNoHole | kCmdFlagFastZero;
     case kCmdBlockStatus:
-      return kCmdFlagReqOne;
+      return fua | kCmdFlagReqOne;
     default:
       return 0;
   }
@@ -275,7 +281,7 @@ bool Connection::begin_request(const nbd::Request& h) {
   } else if (!op) {
     err = EINVAL;  // unknown command
   }
-  if (h.flags & ~allowed_flags(h.type, session_.structured_replies)) err = EINVAL;
+  if (h.flags & ~allowed_flags(h.type, session_)) err = EINVAL;
   const bool has_payload = h.type == kCmdWrite;
   const bool needs_buffer = has_payload || h.type == kCmdRead;
   if (!err && needs_buffer && h.length > kMaxPayload) err = EOVERFLOW;
@@ -370,11 +376,14 @@ void Connection::encode_reply(Request* r, int err) {
     add(p, kSimpleReplySize);
     if (wire == 0 && r->type == kCmdRead && r->length > 0) add(r->buf, r->length);
   } else if (wire != 0) {
-    // An error chunk says what went wrong; for reads, also where (ERROR_OFFSET).
+    // An error chunk says what went wrong; for reads, also where (ERROR_OFFSET). That offset
+    // MUST lie within the request (proto.md "Structured reply types"): a read that names no
+    // byte, or whose end does not fit in 64 bits, has none to give and gets a plain ERROR.
     const char* text = strerrordesc_np(err);
     const uint16_t text_len =
         static_cast<uint16_t>(std::min<size_t>(text ? std::strlen(text) : 0, 200));
-    const bool with_offset = r->type == kCmdRead;
+    const bool with_offset = r->type == kCmdRead && r->length > 0 &&
+                             r->offset <= std::numeric_limits<uint64_t>::max() - r->length;
     const uint32_t length = 4 + 2 + text_len + (with_offset ? 8 : 0);
     encode_chunk_header(p, kReplyFlagDone, with_offset ? kReplyErrorOffset : kReplyError, r->cookie,
                         length);

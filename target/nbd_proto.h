@@ -94,7 +94,7 @@ enum Cmd : uint16_t {
 };
 
 // Command flags, and which command each applies to (others with it get EINVAL).
-inline constexpr uint16_t kCmdFlagFua = 1 << 0;       // WRITE, TRIM, WRITE_ZEROES
+inline constexpr uint16_t kCmdFlagFua = 1 << 0;       // any, with SEND_FUA; acts on writes only
 inline constexpr uint16_t kCmdFlagNoHole = 1 << 1;    // WRITE_ZEROES
 inline constexpr uint16_t kCmdFlagDf = 1 << 2;        // READ, structured replies only
 inline constexpr uint16_t kCmdFlagReqOne = 1 << 3;    // BLOCK_STATUS
@@ -141,7 +141,6 @@ inline constexpr uint32_t kMaxStringLength = 4096;
 inline constexpr uint32_t kMaxOptionLength = 64 * 1024;
 inline constexpr uint32_t kMaxPayload = 32 * 1024 * 1024;  // advertised maximum block size
 inline constexpr uint32_t kPreferredBlock = 4096;
-inline constexpr uint32_t kMaxDfRead = 64 * 1024;
 
 // --- Big-endian codec ---
 inline void put16(uint8_t* p, uint16_t v) {

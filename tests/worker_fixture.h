@@ -59,6 +59,7 @@ class WorkerOnAFile {
     session.exp = target::Export{volume_, mode, "group", ""};
     session.structured_replies = structured_replies;
     session.base_allocation = base_allocation;
+    session.transmission_flags = target::transmission_flags(session.exp, structured_replies);
     worker_.adopt(fds[0], session);
     return fds[1];
   }
@@ -71,9 +72,11 @@ class WorkerOnAFile {
   bool started_ = false;
 };
 
-inline bool send_request(int fd, uint16_t type, uint64_t cookie, uint64_t offset, uint32_t length) {
+inline bool send_request(int fd, uint16_t type, uint64_t cookie, uint64_t offset, uint32_t length,
+                         uint16_t flags = 0) {
   uint8_t header[nbd::kRequestSize];
-  nbd::encode_request(header, nbd::Request{nbd::kRequestMagic, 0, type, cookie, offset, length});
+  nbd::encode_request(header,
+                      nbd::Request{nbd::kRequestMagic, flags, type, cookie, offset, length});
   return send_all(fd, header, sizeof header);
 }
 
