@@ -80,6 +80,8 @@ int run(int argc, char** argv) {
      "policy: volumes may be multiattach")
     ("allow_multiattach_bootable", po::value<bool>()->default_value(true),
      "policy: a bootable volume may have several attachments")
+    ("nbd-allow-root", po::bool_switch(),
+     "a unix attachment whose connector binds a uid admits root too")
     ("export", po::value<std::vector<std::string>>()->composing(),
      "standalone mode: serve PATH as export NAME: NAME=PATH[,ro] (repeatable)")
     ("listen-unix", po::value<std::vector<std::string>>()->composing(),
@@ -198,6 +200,7 @@ int run(int argc, char** argv) {
     control::Policy policy;
     policy.allow_multiattach = vm["allow_multiattach"].as<bool>();
     policy.allow_multiattach_bootable = vm["allow_multiattach_bootable"].as<bool>();
+    policy.nbd_allow_root = vm["nbd-allow-root"].as<bool>();
     try {
       plane =
           std::make_unique<control::ControlPlane>((state / "shareblk.db").string(), *store, policy);

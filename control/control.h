@@ -23,6 +23,8 @@ namespace shareblk::control {
 struct Policy {
   bool allow_multiattach = true;           // may volumes be (made) multiattach at all
   bool allow_multiattach_bootable = true;  // may a bootable volume have several attachments
+  // May root reach a unix attachment whose connector binds another uid (--nbd-allow-root).
+  bool nbd_allow_root = false;
 };
 
 // Where NBD clients reach this daemon; connection_info URIs are built from it.

@@ -88,8 +88,9 @@ uint64_t need_size(const Json& p, const char* key) {
 
 Connector decode_connector(const Json& connector) {
   if (!connector.is_object()) invalid("connector must be an object");
-  static constexpr std::string_view kConnectorKeys[] = {
-      "host", "ip", "transport", "initiator", "platform", "os_type", "multipath", "mountpoint"};
+  static constexpr std::string_view kConnectorKeys[] = {"host",      "ip",         "transport",
+                                                        "initiator", "platform",   "os_type",
+                                                        "multipath", "mountpoint", "uid"};
   only_keys(connector, kConnectorKeys);
   Connector c;
   c.host = need_string(connector, "host");
@@ -99,6 +100,13 @@ Connector decode_connector(const Json& connector) {
     if (c.mountpoint.front() != '/') invalid("mountpoint must be an absolute path");
   } else if (c.transport != "tcp" && c.transport != "unix") {
     invalid("connector transport must be \"tcp\", \"unix\" or \"fuse\"");
+  }
+  if (auto it = connector.find("uid"); it != connector.end() && !it->is_null()) {
+    if (!it->is_number_unsigned() || it->get<uint64_t>() >= UINT32_MAX) {
+      invalid("connector uid must be a user id (an integer from 0 to 4294967294)");
+    }
+    if (c.transport != "unix") invalid("connector uid binds a \"unix\" transport only");
+    c.uid = static_cast<uint32_t>(it->get<uint64_t>());
   }
   c.ip = opt_string(connector, "ip");
   if (c.ip) {

@@ -40,6 +40,7 @@ struct Connector {
   std::string transport;   // "tcp" (default), "unix" or "fuse"
   std::string mountpoint;  // fuse only: an absolute path
   std::optional<std::string> ip;
+  std::optional<uint32_t> uid;  // unix only: the one local user admitted
   std::string stored;
 };
 Connector decode_connector(const Json& connector);

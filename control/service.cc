@@ -2,7 +2,8 @@
 // attachments.cc, the JSON views in views.cc.
 #include "control/service.h"
 
-#include <arpa/inet.h>
+#include "control/admission.h"
+
 #include <spdlog/spdlog.h>
 #include <sys/random.h>
 
@@ -13,28 +14,7 @@
 
 namespace shareblk::control {
 
-namespace {
-
-// Whether two textual IP addresses are one address: "::ffff:10.0.0.1" is 10.0.0.1 and
-// "0:0::1" is ::1, as the peer's address is written one way only.
-bool same_address(const std::string& a, const std::string& b) {
-  auto parse = [](const std::string& text, in6_addr& out) {
-    in_addr v4{};
-    if (inet_pton(AF_INET, text.c_str(), &v4) == 1) {  // as the IPv4-mapped IPv6 address
-      out = in6_addr{};
-      out.s6_addr[10] = 0xff;
-      out.s6_addr[11] = 0xff;
-      std::memcpy(&out.s6_addr[12], &v4, sizeof v4);
-      return true;
-    }
-    return inet_pton(AF_INET6, text.c_str(), &out) == 1;
-  };
-  in6_addr x{};
-  in6_addr y{};
-  return parse(a, x) && parse(b, y) && std::memcmp(&x, &y, sizeof x) == 0;
-}
-
-}  // namespace
+namespace {}  // namespace
 
 std::string random_hex(size_t bytes) {
   std::string raw(bytes, '\0');
@@ -190,6 +170,8 @@ Json Service::export_resolve(const std::string& name, const Caller& caller) {
               {"backing", {{"mapped", volume->is_mapped()}, {"segments", segments}}}};
 }
 
+// Every decision is logged at info, by attachment id and peer (never the export name: it is
+// the credential), and counted.
 target::ExportCatalog::Lookup Service::resolve(const std::string& export_name,
                                                const target::Peer& peer) {
   using Refusal = target::ExportCatalog::Refusal;
@@ -198,20 +180,24 @@ target::ExportCatalog::Lookup Service::resolve(const std::string& export_name,
   {
     Database::Transaction tx(db_);
     auto found = tx.attachment_by_export(export_name);
-    if (!found || !is_serving(found->attach_status)) return {std::nullopt, Refusal::Unknown};
+    if (!found || !is_serving(found->attach_status)) {
+      refused_unknown_.fetch_add(1, std::memory_order_relaxed);
+      spdlog::info("nbd: refused {}: no live export of that name", describe(peer));
+      return {std::nullopt, Refusal::Unknown};
+    }
     a = *found;
     size = find_volume(tx, a.volume_id).size;
   }
-  const Json connector = Json::parse(a.connector);
-  // A null ip, which older daemons stored, is no ip.
-  if (!peer.address.empty() && connector.contains("ip") && connector["ip"].is_string() &&
-      !same_address(connector["ip"].get<std::string>(), peer.address)) {
-    spdlog::warn("control: attachment {} refused a client from {} (connector ip {})", a.id,
-                 peer.address, connector["ip"].get<std::string>());
-    return {std::nullopt, Refusal::Policy};
+  const Admission admission = admit(Json::parse(a.connector), peer, policy_);
+  if (admission != Admission::Admitted) {
+    refused_by_binding_.fetch_add(1, std::memory_order_relaxed);
+    spdlog::info("nbd: refused {} the export of attachment {}: {}", describe(peer), a.id,
+                 to_string(admission));
+    return {std::nullopt, refusal_of(admission)};
   }
   auto volume = volumes_.open(a.volume_id, size);
   if (!volume) return {std::nullopt, Refusal::Unknown};
+  spdlog::info("nbd: admitted {} to attachment {} ({})", describe(peer), a.id, to_string(a.mode));
   return {target::Export{volume, a.mode, a.id, ""}};
 }
 

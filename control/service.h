@@ -8,6 +8,7 @@
 // that volume's lock, and then the database's transaction.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <filesystem>
 #include <optional>
@@ -82,6 +83,12 @@ class Service {
   // For tests.
   size_t volume_lock_count() const { return volumes_.lock_count(); }
   size_t subscriber_count() const { return exports_.subscriber_count(); }
+  // NBD clients refused since start: names that are no live export; and clients refused a
+  // live export by its connector's binding (transport, ip, uid).
+  uint64_t refused_unknown() const { return refused_unknown_.load(std::memory_order_relaxed); }
+  uint64_t refused_by_binding() const {
+    return refused_by_binding_.load(std::memory_order_relaxed);
+  }
 
  private:
   // attachments.cc
@@ -109,6 +116,8 @@ class Service {
   // The database's directory: the daemon's state directory (--state-dir), where no FUSE
   // attachment may be mounted.
   std::filesystem::path state_dir_;
+  std::atomic<uint64_t> refused_unknown_{0};
+  std::atomic<uint64_t> refused_by_binding_{0};
 };
 
 // Helpers shared by the action files.

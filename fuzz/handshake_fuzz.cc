@@ -97,7 +97,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   using namespace shareblk;  // NOLINT(google-build-using-namespace)
   fuzz::InputStream stream(data, size);
   std::optional<target::Session> session =
-      target::negotiate(stream, fuzz::catalog(), target::Peer{"192.0.2.1"});
+      target::negotiate(stream, fuzz::catalog(), target::Peer::tcp("192.0.2.1"));
   if (session) fuzz::check_session(*session);
   fuzz::check_output(stream.output(), session);
   return 0;

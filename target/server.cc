@@ -181,10 +181,20 @@ std::error_code listen_tcp(const std::string& endpoint, int& out, std::string& b
   return {};
 }
 
-Peer peer_of(int fd) {
+Peer peer_of(int fd, bool tcp) {
   sockaddr_storage ss{};
   socklen_t len = sizeof ss;
   Peer peer;
+  if (!tcp) {
+    ucred cred{};
+    socklen_t cred_len = sizeof cred;
+    if (::getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &cred_len) == 0) {
+      peer.uid = cred.uid;
+      peer.pid = cred.pid;
+    }
+    return peer;
+  }
+  peer.transport = Peer::Transport::Tcp;
   if (::getpeername(fd, reinterpret_cast<sockaddr*>(&ss), &len) != 0) return peer;
   char text[INET6_ADDRSTRLEN] = {};
   if (ss.ss_family == AF_INET) {
@@ -203,6 +213,12 @@ Peer peer_of(int fd) {
 }
 
 }  // namespace
+
+std::string describe(const Peer& peer) {
+  if (peer.transport == Peer::Transport::Tcp) return "tcp " + peer.address;
+  if (!peer.uid) return "unix (no credentials)";
+  return "unix pid " + std::to_string(peer.pid) + " uid " + std::to_string(*peer.uid);
+}
 
 struct Server::Impl final : ConnectionRegistry {
   struct Listener {
@@ -282,7 +298,7 @@ void Server::Impl::handshake(int fd, bool tcp) {
     drop_silent_peers_after(fd, options.peer_timeout);
   }
   SocketStream stream(fd, std::chrono::steady_clock::now() + options.handshake_timeout);
-  std::optional<Session> session = negotiate(stream, *catalog, peer_of(fd));
+  std::optional<Session> session = negotiate(stream, *catalog, peer_of(fd, tcp));
   enlarge_send_buffer(fd);
 
   std::lock_guard lock(mutex);

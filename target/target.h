@@ -6,6 +6,8 @@
 // export's mode; the mode is enforced in the backend's admission check, not here.
 #pragma once
 
+#include <sys/types.h>
+
 #include <chrono>
 #include <cstdint>
 #include <memory>
@@ -18,10 +20,20 @@
 
 namespace shareblk::target {
 
-// Who is connecting: the client's IP address as text for TCP, empty for a Unix socket.
+// Who is connecting, as the listener that accepted it saw it.
 struct Peer {
-  std::string address;
+  enum class Transport : uint8_t { Unix, Tcp };
+  std::string address;  // TCP: the client's IP address as text; empty for a Unix socket
+  Transport transport = Transport::Unix;
+  // Unix: the connecting process's credentials (SO_PEERCRED), when the kernel gave them.
+  std::optional<uid_t> uid;
+  pid_t pid = 0;
+
+  static Peer tcp(std::string ip) { return Peer{std::move(ip), Transport::Tcp, std::nullopt, 0}; }
 };
+
+// The peer for log lines: "tcp 192.0.2.1" or "unix pid 42 uid 1000".
+std::string describe(const Peer& peer);
 
 // What an export name resolves to.
 struct Export {

@@ -876,9 +876,10 @@ TEST_F(ControlPlaneTest, ANullConnectorIpIsNoIp) {
                   {{"connector", {{"host", "h"}, {"transport", "tcp"}, {"ip", nullptr}}}});
   EXPECT_FALSE(a["connector"].contains("ip")) << a;
   const std::string name = a["connection_info"]["data"]["export_name"];
-  const shareblk::target::Peer tcp_peer{"10.0.0.7"};
+  const auto tcp_peer = shareblk::target::Peer::tcp("10.0.0.7");
   EXPECT_TRUE(plane_->catalog()->resolve(name, tcp_peer).found.has_value());
-  EXPECT_TRUE(plane_->catalog()->resolve(name, shareblk::target::Peer{}).found.has_value());
+  // A tcp attachment is served on the TCP listener only (transport binding).
+  EXPECT_FALSE(plane_->catalog()->resolve(name, shareblk::target::Peer{}).found.has_value());
 
   // A null ip that an older daemon stored is no ip either.
   close();

@@ -1,0 +1,155 @@
+// Access control end to end (issue 18): an attachment is served only on its connector's
+// transport, and a unix attachment that names a uid only to that local user. Real daemon,
+// real libnbd and nbdinfo clients, a real unprivileged user.
+#include <gtest/gtest.h>
+#include <libnbd.h>
+#include <signal.h>
+#include <sys/stat.h>
+
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "tests/control_client.h"
+#include "tests/nbd_client.h"
+#include "tests/support.h"
+
+namespace {
+
+namespace st = shareblk::testing;
+using Json = nlohmann::json;
+
+constexpr uid_t kNobody = 65534;
+
+class AccessTest : public ::testing::Test {
+ protected:
+  void TearDown() override {
+    if (!daemon_) return;
+    EXPECT_EQ(daemon_->stop(SIGTERM), 0) << daemon_->log();
+  }
+  void start(const std::vector<std::string>& extra = {}) {
+    if (daemon_) daemon_->stop(SIGTERM);
+    std::vector<std::string> args{
+        "--state-dir",  dir_.path().string(), "--listen-unix", nbd_socket(),
+        "--listen-tcp", "127.0.0.1:0",        "--workers",     "1"};
+    args.insert(args.end(), extra.begin(), extra.end());
+    daemon_ = std::make_unique<st::Daemon>(args, control());
+  }
+  std::string control() const { return dir_ / "shareblk.sock"; }
+  std::string nbd_socket() const { return dir_ / "nbd.sock"; }
+
+  std::string create_volume() {
+    return st::rpc_ok(control(), "volume_create",
+                      {{"name", "v"}, {"size", "1M"}, {"multiattach", true}})["id"];
+  }
+  Json attach(const std::string& volume, const std::string& instance, const Json& connector) {
+    return st::rpc_ok(
+        control(), "attachment_create",
+        {{"volume_id", volume}, {"instance_uuid", instance}, {"connector", connector}});
+  }
+  static std::string name_of(const Json& a) { return a["connection_info"]["data"]["export_name"]; }
+  static std::string uri_of(const Json& a) { return a["connection_info"]["data"]["uri"]; }
+
+  // libnbd's errno of a connection that failed, 0 when it succeeded.
+  static int connect_errno(const std::string& uri) {
+    int err = 0;
+    st::NbdHandle h = st::nbd_connect(uri, &err);
+    return h ? 0 : err;
+  }
+
+  st::TempDir dir_;
+  std::unique_ptr<st::Daemon> daemon_;
+};
+
+TEST_F(AccessTest, AnAttachmentIsServedOnlyOnItsConnectorsTransport) {
+  start();
+  const std::string volume = create_volume();
+  const Json on_unix = attach(volume, "i-unix", {{"host", "a"}, {"transport", "unix"}});
+  const Json on_tcp = attach(volume, "i-tcp", {{"host", "b"}, {"transport", "tcp"}});
+  const std::string tcp_uri = uri_of(on_tcp);
+  const std::string tcp_base = tcp_uri.substr(0, tcp_uri.rfind('/') + 1);  // nbd://HOST:PORT/
+
+  // Each on its own listener...
+  EXPECT_EQ(connect_errno(uri_of(on_unix)), 0);
+  EXPECT_EQ(connect_errno(tcp_uri), 0);
+  // ...and on the other exactly as a name that does not exist (NBD_REP_ERR_UNKNOWN: ENOENT).
+  EXPECT_EQ(connect_errno(tcp_base + name_of(on_unix)), ENOENT);
+  EXPECT_EQ(connect_errno("nbd+unix:///" + name_of(on_tcp) + "?socket=" + nbd_socket()), ENOENT);
+  EXPECT_EQ(connect_errno(tcp_base + std::string(32, 'f')), ENOENT);
+
+  // Logged by attachment id and peer, never by the name.
+  const std::string log = daemon_->log();
+  EXPECT_NE(log.find("refused tcp 127.0.0.1 the export of attachment " +
+                     on_unix["id"].get<std::string>() + ": not served on this transport"),
+            std::string::npos)
+      << log;
+  EXPECT_NE(log.find("the export of attachment " + on_tcp["id"].get<std::string>() +
+                     ": not served on this transport"),
+            std::string::npos)
+      << log;
+  EXPECT_NE(log.find("admitted unix pid"), std::string::npos) << log;
+  EXPECT_NE(log.find("refused tcp 127.0.0.1: no live export of that name"), std::string::npos);
+  for (const Json* a : {&on_unix, &on_tcp}) {
+    EXPECT_EQ(log.find(name_of(*a)), std::string::npos) << "an export name was logged";
+  }
+}
+
+TEST_F(AccessTest, AConnectorUidIsCheckedAndOnlyForUnix) {
+  start();
+  const std::string volume = create_volume();
+  for (const Json& uid : {Json("1000"), Json(-1), Json(1.5), Json(4294967295u)}) {
+    EXPECT_EQ(st::rpc_reason(control(), "attachment_create",
+                             {{"volume_id", volume},
+                              {"instance_uuid", "i"},
+                              {"connector", {{"host", "a"}, {"transport", "unix"}, {"uid", uid}}}}),
+              "invalid_params")
+        << uid;
+  }
+  EXPECT_EQ(st::rpc_reason(control(), "attachment_create",
+                           {{"volume_id", volume},
+                            {"instance_uuid", "i"},
+                            {"connector", {{"host", "a"}, {"transport", "tcp"}, {"uid", 0}}}}),
+            "invalid_params");
+}
+
+// The local user a unix attachment names gets it; another user, and root, do not, unless the
+// daemon runs with --nbd-allow-root.
+TEST_F(AccessTest, AUnixAttachmentBoundToAUidAdmitsThatUserOnly) {
+  SHAREBLK_REQUIRE(st::is_root(), "needs root to run a client as another user");
+  SHAREBLK_REQUIRE(st::have_program("setpriv") && st::have_program("nbdinfo"),
+                   "needs setpriv (util-linux) and nbdinfo (libnbd-bin)");
+  // The operator opens the socket to local users (issue 18's socket options will do this);
+  // the test's own directory is private to root.
+  ASSERT_EQ(::chmod(dir_.path().c_str(), 0711), 0);
+  start();
+  ASSERT_EQ(::chmod(nbd_socket().c_str(), 0666), 0);
+  const std::string volume = create_volume();
+  const Json mine = attach(volume, "i-1", {{"host", "a"}, {"transport", "unix"}, {"uid", kNobody}});
+  const Json theirs = attach(volume, "i-2", {{"host", "a2"}, {"transport", "unix"}, {"uid", 1000}});
+  auto as_nobody = [&](const std::string& uri) {
+    return st::run({"setpriv", "--reuid=" + std::to_string(kNobody),
+                    "--regid=" + std::to_string(kNobody), "--clear-groups", "nbdinfo", "--size",
+                    uri})
+        .status;
+  };
+  EXPECT_EQ(as_nobody(uri_of(mine)), 0);
+  EXPECT_NE(as_nobody(uri_of(theirs)), 0);
+  EXPECT_EQ(connect_errno(uri_of(mine)), ENOENT);  // this test runs as root
+  const std::string log = daemon_->log();
+  EXPECT_NE(log.find("admitted unix pid"), std::string::npos) << log;
+  EXPECT_NE(log.find(" uid 65534 to attachment " + mine["id"].get<std::string>()),
+            std::string::npos)
+      << log;
+  EXPECT_NE(log.find("uid 0 the export of attachment " + mine["id"].get<std::string>() +
+                     ": not the connector's uid"),
+            std::string::npos)
+      << log;
+
+  start({"--nbd-allow-root"});
+  ASSERT_EQ(::chmod(nbd_socket().c_str(), 0666), 0);
+  EXPECT_EQ(connect_errno(uri_of(mine)), 0);
+  EXPECT_EQ(as_nobody(uri_of(theirs)), 1);
+}
+
+}  // namespace
