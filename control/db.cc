@@ -141,6 +141,9 @@ Database::Database(const std::string& path) {
     exec("PRAGMA synchronous=FULL");
     exec("PRAGMA foreign_keys=ON");
   } catch (...) {
+    // Closing the last connection would checkpoint a leftover WAL (a killed daemon's) into
+    // the file: a database this release refuses is left exactly as it was.
+    sqlite3_db_config(db_, SQLITE_DBCONFIG_NO_CKPT_ON_CLOSE, 1, nullptr);
     sqlite3_close(db_);
     db_ = nullptr;
     throw;
@@ -156,16 +159,24 @@ int Database::user_version() {
 // new constraints refuse, a full disk) leaves the file as it was. Foreign keys are off while
 // the attachment table is rebuilt (SQLite's procedure for changes ALTER TABLE cannot make).
 void Database::migrate(const std::string& path) {
-  const int version = user_version();
-  if (version > kSchemaVersion) {
+  auto refuse_newer = [&](int version) {
+    if (version <= kSchemaVersion) return;
     throw DbError(path + " has schema version " + std::to_string(version) +
                   ", newer than this shareblkd understands (" + std::to_string(kSchemaVersion) +
                   "); run the release that wrote it, or restore a backup. Nothing was changed.");
-  }
+  };
+  int version = user_version();
+  refuse_newer(version);
   if (version == kSchemaVersion) return;
   exec("PRAGMA foreign_keys=OFF");
   exec("BEGIN IMMEDIATE");
   try {
+    version = user_version();  // again, under the write lock: another process may have won
+    refuse_newer(version);
+    if (version == kSchemaVersion) {
+      exec("COMMIT");
+      return;
+    }
     bool fresh = false;
     {  // finalized before the tables change: an open statement locks them
       Statement tables(
@@ -184,6 +195,10 @@ void Database::migrate(const std::string& path) {
       exec("DROP TABLE volume_attachment");
       exec("ALTER TABLE volume_attachment_v1 RENAME TO volume_attachment");
       exec(kAttachmentIndex);
+    }
+    {  // step 10 of SQLite's table rebuild: the copy kept every reference whole
+      Statement check(db_, "PRAGMA foreign_key_check");
+      if (check.step()) throw DbError("a row refers to a volume that does not exist");
     }
     exec(("PRAGMA user_version = " + std::to_string(kSchemaVersion)).c_str());
     exec("COMMIT");

@@ -6,10 +6,8 @@ namespace shareblk::control {
 
 namespace {
 
-constexpr size_t kMaxName = 255;
-
 std::string volume_name(const std::string& name) {
-  if (name.size() > kMaxName) invalid("name is longer than 255 bytes");
+  if (name.size() > kMaxVolumeName) invalid("name is longer than 255 bytes");
   return name;
 }
 
@@ -40,15 +38,7 @@ Json volume_extend(Service& s, const Json& p, const Caller&) {
 }
 
 Json volume_update(Service& s, const Json& p, const Caller&) {
-  VolumeChange change;
-  change.id = need_string(p, "volume_id");
-  change.name = opt_string(p, "name");
-  if (change.name && (change.name->empty() || change.name->size() > kMaxName)) {
-    invalid("name must be 1 to 255 bytes");
-  }
-  change.multiattach = opt_bool(p, "multiattach");
-  change.bootable = opt_bool(p, "bootable");
-  return s.volume_update(change);
+  return s.volume_update(VolumeChange{need_string(p, "volume_id"), &p});
 }
 
 Json volume_detach(Service& s, const Json& p, const Caller&) {

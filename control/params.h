@@ -16,6 +16,9 @@ namespace shareblk::control {
 
 using Json = nlohmann::json;
 
+// A volume's name is 1 to this many bytes.
+inline constexpr size_t kMaxVolumeName = 255;
+
 // Refuses any key of `p` not in `keys`.
 void only_keys(const Json& p, std::span<const std::string_view> keys);
 // A non-empty string.

@@ -31,11 +31,11 @@ struct VolumeSpec {
   bool bootable = false;
 };
 
+// Decoded by volume_update itself, once the volume is found, in the order name, multiattach,
+// bootable: which refusal a caller gets when several apply is part of the API.
 struct VolumeChange {
   std::string id;
-  std::optional<std::string> name;
-  std::optional<bool> multiattach;
-  std::optional<bool> bootable;
+  const Json* params = nullptr;  // the call's params
 };
 
 struct AttachmentSpec {

@@ -47,6 +47,9 @@ void VolumeRegistry::create(const std::string& id, uint64_t size) {
 
 void VolumeRegistry::extend(const std::string& id, uint64_t size) {
   if (lvm::StoreError e = store_.extend(id, size)) throw store_error(e);
+}
+
+void VolumeRegistry::refresh(const std::string& id, uint64_t size) {
   std::lock_guard lock(open_mutex_);
   auto it = open_.find(id);
   if (it == open_.end()) return;

@@ -27,8 +27,12 @@ class VolumeRegistry {
 
   // Throw ApiError.
   void create(const std::string& id, uint64_t size);
-  void extend(const std::string& id, uint64_t size);  // and the open volume sees the new size
-  void remove(const std::string& id);                 // forgets the open volume first
+  void extend(const std::string& id, uint64_t size);
+  // After extend() and the new size is committed: the open volume (if any) sees it. Called
+  // only then, so that a volume opened meanwhile (from the old size in the database) is
+  // refreshed too; one that cannot be is dropped, and reopened by the next user.
+  void refresh(const std::string& id, uint64_t size);
+  void remove(const std::string& id);  // forgets the open volume first
 
   // The open volume, opened on first use; nullptr (logged) when the store cannot open it.
   std::shared_ptr<backend::Volume> open(const std::string& id, uint64_t size);

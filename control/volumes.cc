@@ -79,6 +79,7 @@ Json Service::volume_extend(const std::string& id, uint64_t size) {
   tx.update_volume(v);
   Json out = volume_json(tx, v);
   tx.commit();
+  volumes_.refresh(id, size);
   return out;
 }
 
@@ -87,22 +88,26 @@ Json Service::volume_update(const VolumeChange& change) {
   std::lock_guard lock(*lock_holder);
   Database::Transaction tx(db_);
   VolumeRow v = find_volume(tx, change.id);
-  if (change.name) v.name = *change.name;
-  if (change.multiattach && *change.multiattach != v.multiattach) {
+  const Json& p = *change.params;
+  if (auto name = opt_string(p, "name")) {
+    if (name->empty() || name->size() > kMaxVolumeName) invalid("name must be 1 to 255 bytes");
+    v.name = *name;
+  }
+  if (auto multiattach = opt_bool(p, "multiattach"); multiattach && *multiattach != v.multiattach) {
     // Hypervisors decide caching and locking at attach time, so only an unattached volume
     // may change (Cinder's retype rule).
     if (volume_status(tx.attachments(v.id)) != "available") {
       throw ApiError("volume_in_use", "multiattach can change only while the volume is available");
     }
-    if (*change.multiattach && !policy_.allow_multiattach) {
+    if (*multiattach && !policy_.allow_multiattach) {
       throw ApiError("policy_denied", "policy forbids multiattach volumes");
     }
-    v.multiattach = *change.multiattach;
+    v.multiattach = *multiattach;
   }
-  if (change.bootable) {
+  if (auto bootable = opt_bool(p, "bootable")) {
     // Making a volume that several attachments share bootable would make the shared bootable
     // volume that the policy forbids attaching.
-    if (*change.bootable && !v.bootable && !policy_.allow_multiattach_bootable) {
+    if (*bootable && !v.bootable && !policy_.allow_multiattach_bootable) {
       size_t live_attachments = 0;
       for (const auto& a : tx.attachments(v.id)) live_attachments += is_live(a.attach_status);
       if (live_attachments > 1) {
@@ -110,7 +115,7 @@ Json Service::volume_update(const VolumeChange& change) {
                        "policy forbids a bootable volume with several attachments");
       }
     }
-    v.bootable = *change.bootable;
+    v.bootable = *bootable;
   }
   tx.update_volume(v);
   Json out = volume_json(tx, v);

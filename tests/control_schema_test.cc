@@ -133,9 +133,20 @@ TEST_F(StateDatabaseTest, TheStatusColumnAdmitsOnlyTheLifecycleStates) {
   EXPECT_EQ(sql(db_path(), good), "");
 }
 
+// Even with the WAL a killed daemon leaves behind: refusing must not checkpoint it.
 TEST_F(StateDatabaseTest, ANewerDatabaseIsRefusedAndLeftAsItWas) {
   copy_fixture();
-  ASSERT_EQ(sql(db_path(), "PRAGMA user_version = 99"), "");
+  {
+    sqlite3* db = nullptr;
+    ASSERT_EQ(sqlite3_open(db_path().c_str(), &db), SQLITE_OK);
+    sqlite3_db_config(db, SQLITE_DBCONFIG_NO_CKPT_ON_CLOSE, 1, nullptr);
+    ASSERT_EQ(sqlite3_exec(db, "PRAGMA journal_mode=WAL; PRAGMA user_version = 99", nullptr,
+                           nullptr, nullptr),
+              SQLITE_OK);
+    sqlite3_close(db);
+  }
+  ASSERT_TRUE(fs::exists(db_path() + "-wal"));
+  const std::string wal_before = slurp(db_path() + "-wal");
   const std::string before = slurp(db_path());
   try {
     ControlPlane plane(db_path(), store_, {});
@@ -146,6 +157,8 @@ TEST_F(StateDatabaseTest, ANewerDatabaseIsRefusedAndLeftAsItWas) {
     EXPECT_NE(message.find("newer"), std::string::npos) << message;
   }
   EXPECT_EQ(slurp(db_path()), before);
+  ASSERT_TRUE(fs::exists(db_path() + "-wal"));
+  EXPECT_EQ(slurp(db_path() + "-wal"), wal_before);
   EXPECT_EQ(sql(db_path(), "PRAGMA user_version"), "99");
 }
 

@@ -971,6 +971,7 @@ class ServiceTest : public ::testing::Test {
   Json call(const std::string& method, const Json& params) {
     const shareblk::control::Method* m = shareblk::control::find_method(method);
     if (m == nullptr) throw std::runtime_error("no method " + method);
+    shareblk::control::only_keys(params, m->params);
     return m->run(*service_, params, caller_);
   }
   std::string reason(const std::string& method, const Json& params) {
