@@ -99,7 +99,7 @@ std::error_code Client::connect(const std::string& path,
   return {};
 }
 
-Outcome Client::call(const std::string& method, const Json& params) noexcept {
+Outcome Client::call(const std::string& method, const Json& params) {
   try {
     if (broken_) return link_failure(broken_);
     if (fd_ < 0) return link_failure(make_error_code(std::errc::not_connected));

@@ -2,9 +2,10 @@
 // object per line each way (the server is control/control.cc). The CLI, the nbdkit plugin and
 // the tests all talk to the daemon through this one client.
 //
-// Errors travel as values, never as exceptions: a call returns its result or an Error, and
-// every member is noexcept, so the nbdkit plugin can use it from nbdkit's C callbacks. Callers
-// that prefer exceptions (the CLI, the tests) throw at their own edge.
+// Errors travel as values, never as exceptions: a call returns its result or an Error, and no
+// member throws (call() turns even a failed allocation into an Error), so the nbdkit plugin can
+// use it from nbdkit's C callbacks. Callers that prefer exceptions (the CLI, the tests) throw at
+// their own edge.
 #pragma once
 
 #include <atomic>
@@ -30,7 +31,7 @@ inline constexpr size_t kMaxLine = size_t{1} << 20;
 inline constexpr std::chrono::milliseconds kWaitForever{0};
 
 // Why a call has no result.
-struct Error {
+struct Error {  // NOLINT(bugprone-exception-escape): a null Json's constructor does not throw
   // Set when no answer came: connecting, sending or receiving failed (the errno), the peer
   // closed (ECONNRESET), the timeout passed (ETIMEDOUT), a line was too long (EMSGSIZE) or the
   // answer was not a JSON-RPC response (EPROTO). Empty when the daemon refused the call.
@@ -47,7 +48,7 @@ struct Error {
 };
 
 // A call's outcome: the method's result, or why there is none.
-struct Outcome {
+struct Outcome {  // NOLINT(bugprone-exception-escape): as Error
   Json result;
   std::optional<Error> error;
   bool ok() const { return !error; }
@@ -77,8 +78,8 @@ class Client {
   // kept for poll(); replies to other ids are dropped. An error reply with a null id answers
   // this call: it is the daemon's answer to a line it could not read, or its refusal to serve
   // this connection. A timed-out call leaves the link usable (a late reply is dropped by id);
-  // every other link error breaks it for good.
-  Outcome call(const std::string& method, const Json& params = Json::object()) noexcept;
+  // every other link error breaks it for good. Throws nothing (ENOMEM breaks the link).
+  Outcome call(const std::string& method, const Json& params = Json::object());
 
   // Never waits. Appends to `out` the notifications that have arrived (those a call kept come
   // first) and returns the link's state: empty while it works, else why it broke. Once broken
