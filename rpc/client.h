@@ -32,9 +32,11 @@ inline constexpr std::chrono::milliseconds kWaitForever{0};
 
 // Why a call has no result.
 struct Error {  // NOLINT(bugprone-exception-escape): a null Json's constructor does not throw
-  // Set when no answer came: connecting, sending or receiving failed (the errno), the peer
-  // closed (ECONNRESET), the timeout passed (ETIMEDOUT), a line was too long (EMSGSIZE) or the
-  // answer was not a JSON-RPC response (EPROTO). Empty when the daemon refused the call.
+  // Set when no answer came: sending or receiving failed (the errno), the peer closed
+  // (ECONNRESET), the timeout passed (ETIMEDOUT), a line was too long (EMSGSIZE), the reply had
+  // neither a result nor an error object (EPROTO), the request was not valid JSON text
+  // (EINVAL: a string not UTF-8), or there was no connection (ENOTCONN). Empty when the
+  // daemon refused the call. Lines that are not JSON objects are passed over, not errors.
   std::error_code link;
   // The daemon's refusal (a JSON-RPC error object): its code, message, data.reason ("" when
   // there is none) and the whole data member (null when there is none).
