@@ -1,17 +1,14 @@
 // shareblk: the command-line client of the control socket. One subcommand per API method;
 // tables for people, --json for scripts. Exit status: 0 ok, 1 the daemon refused (the reason
 // is printed), 2 bad usage, 3 the daemon could not be reached.
-#include <sys/socket.h>
-#include <sys/un.h>
-#include <unistd.h>
-
 #include <boost/program_options.hpp>
 #include <cstdlib>
-#include <cstring>
 #include <iomanip>
 #include <iostream>
 #include <nlohmann/json.hpp>
 #include <sstream>
+
+#include "rpc/client.h"
 
 namespace po = boost::program_options;
 using Json = nlohmann::json;
@@ -21,37 +18,6 @@ namespace {
 struct UsageError : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
-
-// One JSON-RPC call over the control socket.
-Json rpc(const std::string& socket_path, const std::string& method, const Json& params) {
-  int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  sockaddr_un addr{};
-  addr.sun_family = AF_UNIX;
-  if (socket_path.size() >= sizeof addr.sun_path) throw std::runtime_error("socket path too long");
-  std::memcpy(addr.sun_path, socket_path.c_str(), socket_path.size() + 1);
-  if (fd < 0 || ::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) {
-    std::string why = std::strerror(errno);
-    if (fd >= 0) ::close(fd);
-    throw std::runtime_error("cannot reach shareblkd at " + socket_path + ": " + why);
-  }
-  std::string line =
-      Json{{"jsonrpc", "2.0"}, {"id", 1}, {"method", method}, {"params", params}}.dump() + "\n";
-  if (::send(fd, line.data(), line.size(), MSG_NOSIGNAL) != static_cast<ssize_t>(line.size())) {
-    ::close(fd);
-    throw std::runtime_error("cannot send to shareblkd");
-  }
-  std::string reply;
-  char buf[65536];
-  while (reply.find('\n') == std::string::npos) {
-    ssize_t n = ::recv(fd, buf, sizeof buf, 0);
-    if (n <= 0) break;
-    reply.append(buf, static_cast<size_t>(n));
-  }
-  ::close(fd);
-  Json response = Json::parse(reply, nullptr, false);
-  if (response.is_discarded()) throw std::runtime_error("shareblkd sent no valid reply");
-  return response;
-}
 
 std::string text(const Json& v) {
   if (v.is_null()) return "-";
@@ -355,24 +321,31 @@ int run(int argc, char** argv) {
     return 2;
   }
 
-  Json response;
-  try {
-    response = rpc(vm["socket"].as<std::string>(), method, params);
-  } catch (const std::exception& e) {
-    std::cerr << "shareblk: " << e.what() << "\n";
+  const std::string socket_path = vm["socket"].as<std::string>();
+  shareblk::rpc::Client client;
+  if (const std::error_code ec = client.connect(socket_path, shareblk::rpc::kWaitForever)) {
+    std::cerr << "shareblk: cannot reach shareblkd at " << socket_path << ": " << ec.message()
+              << "\n";
     return 3;
   }
-  if (response.contains("error")) {
-    const Json& error = response["error"];
-    std::string reason = error.contains("data") ? text(error["data"].value("reason", Json())) : "";
+  const shareblk::rpc::Outcome outcome = client.call(method, params);
+  if (outcome.error && outcome.error->link) {
+    std::cerr << "shareblk: " << method
+              << ": no valid reply from shareblkd: " << outcome.error->describe() << "\n";
+    return 3;
+  }
+  if (outcome.error) {
+    const shareblk::rpc::Error& error = *outcome.error;
     if (vm["json"].as<bool>()) {
-      std::cout << error.dump(2) << "\n";
+      Json shown{{"code", error.code}, {"message", error.message}};
+      if (!error.data.is_null()) shown["data"] = error.data;
+      std::cout << shown.dump(2) << "\n";
     }
-    std::cerr << "shareblk: " << method << " failed: " << reason << ": "
-              << text(error.value("message", Json())) << "\n";
+    std::cerr << "shareblk: " << method << " failed: " << error.reason << ": " << error.message
+              << "\n";
     return 1;
   }
-  const Json& result = response["result"];
+  const Json& result = outcome.result;
   if (vm["json"].as<bool>()) {
     std::cout << result.dump(2) << "\n";
     return 0;

@@ -20,14 +20,11 @@
 // reconnect and resolve their names again, as they would after shareblkd itself restarted.
 #define NBDKIT_API_VERSION 2
 #include <nbdkit-plugin.h>
-#include <poll.h>
-#include <sys/socket.h>
-#include <sys/time.h>
 #include <sys/un.h>
-#include <unistd.h>
 
 #include <atomic>
 #include <cerrno>
+#include <chrono>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
@@ -37,6 +34,7 @@
 #include <vector>
 
 #include "backend/backend.h"
+#include "rpc/client.h"
 
 // Requests of one connection may run at once: backend::Handle is thread-safe and the control
 // link takes its own lock.
@@ -45,13 +43,12 @@
 namespace {
 
 namespace backend = shareblk::backend;
+namespace rpc = shareblk::rpc;
 using Json = nlohmann::json;
 
 // A daemon that takes longer than this to answer export_resolve is treated as gone, so that a
 // hung daemon cannot hang nbdkit's handshakes forever.
-constexpr int kControlTimeoutSeconds = 30;
-// Longer lines from the control socket are not the daemon's: the link is dropped.
-constexpr size_t kMaxLine = 1 << 20;
+constexpr std::chrono::seconds kControlTimeout{30};
 // Extents returned per block-status request at most; the client asks again for the rest.
 constexpr size_t kMaxExtents = 1024;
 
@@ -62,13 +59,6 @@ std::string control_path;
 // carries the attachment's revocation.
 class ControlLink {
  public:
-  ControlLink() = default;
-  ~ControlLink() {
-    if (fd_ >= 0) ::close(fd_);
-  }
-  ControlLink(const ControlLink&) = delete;
-  ControlLink& operator=(const ControlLink&) = delete;
-
   // Connects to the daemon and calls export_resolve for `export_name`. On failure returns
   // false with a message for nbdkit's log in `error`.
   bool resolve(const std::string& export_name, Json& result, std::string& error);
@@ -77,153 +67,74 @@ class ControlLink {
   int check();
 
  private:
-  bool connect_socket(std::string& error);
-  // Reads what the socket has, without waiting; false when the daemon closed it.
-  bool read_available();
-  // Handles every complete line in buffer_ (revocation notices); leaves a partial line.
-  void consume_lines();
-  void revoke(const char* why);
+  // Takes what the daemon sent (revocation notices) and the link's state.
+  void take_news();
+  void revoke(const std::string& why);
 
-  int fd_ = -1;
+  rpc::Client client_;
   std::string attachment_id_;
   std::atomic<bool> revoked_{false};
-  std::mutex mutex_;    // reading the socket, and buffer_
-  std::string buffer_;  // received, not yet a whole line
+  std::mutex mutex_;  // client_'s reads
 };
 
-bool ControlLink::connect_socket(std::string& error) {
-  fd_ = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (fd_ < 0) {
-    error = std::string("socket: ") + std::strerror(errno);
-    return false;
-  }
-  sockaddr_un addr{};
-  addr.sun_family = AF_UNIX;
-  std::memcpy(addr.sun_path, control_path.c_str(), control_path.size() + 1);  // length checked
-  if (::connect(fd_, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) {
-    error = "cannot connect to shareblkd's control socket " + control_path + ": " +
-            std::strerror(errno);
-    return false;
-  }
-  // Bounds the blocking send and receive of export_resolve; later reads never block.
-  timeval timeout{kControlTimeoutSeconds, 0};
-  ::setsockopt(fd_, SOL_SOCKET, SO_RCVTIMEO, &timeout, sizeof timeout);
-  ::setsockopt(fd_, SOL_SOCKET, SO_SNDTIMEO, &timeout, sizeof timeout);
-  return true;
-}
-
 bool ControlLink::resolve(const std::string& export_name, Json& result, std::string& error) {
-  if (!connect_socket(error)) return false;
-  const std::string request = Json{{"jsonrpc", "2.0"},
-                                   {"id", 1},
-                                   {"method", "export_resolve"},
-                                   {"params", {{"export_name", export_name}}}}
-                                  .dump() +
-                              "\n";
-  for (size_t done = 0; done < request.size();) {
-    ssize_t n = ::send(fd_, request.data() + done, request.size() - done, MSG_NOSIGNAL);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) {
-      error = std::string("control socket: send: ") + std::strerror(errno);
-      return false;
-    }
-    done += static_cast<size_t>(n);
+  if (const std::error_code ec = client_.connect(control_path, kControlTimeout)) {
+    error = "cannot connect to shareblkd's control socket " + control_path + ": " + ec.message();
+    return false;
   }
-  // The reply is the first line with our id; nothing else can come before it.
-  Json reply;
-  for (;;) {
-    if (size_t nl = buffer_.find('\n'); nl != std::string::npos) {
-      reply = Json::parse(buffer_.substr(0, nl), nullptr, /*allow_exceptions=*/false);
-      buffer_.erase(0, nl + 1);
-      if (reply.is_object() && reply.value("id", Json()) == Json(1)) break;
-      continue;
-    }
-    if (buffer_.size() > kMaxLine) {
-      error = "control socket: reply too long";
-      return false;
-    }
-    char chunk[65536];
-    ssize_t n = ::recv(fd_, chunk, sizeof chunk, 0);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) {
-      error = n == 0 ? "control socket closed before export_resolve was answered"
-                     : std::string("control socket: ") + std::strerror(errno);
-      return false;
-    }
-    buffer_.append(chunk, static_cast<size_t>(n));
-  }
-  if (const auto failure = reply.find("error"); failure != reply.end()) {
+  const rpc::Outcome reply = client_.call("export_resolve", {{"export_name", export_name}});
+  if (reply.error) {
     // The export name is a capability: it is left out of the log.
-    const Json& data = failure->is_object() ? failure->value("data", Json::object()) : Json();
-    const std::string reason = data.is_object() ? data.value("reason", "") : "";
-    error = reason == "not_found" ? std::string("no live shareblk attachment has this export name")
-                                  : "export_resolve failed: " + failure->dump();
+    error = reply.error->reason == "not_found"
+                ? std::string("no live shareblk attachment has this export name")
+                : "export_resolve failed: " + reply.error->describe();
     return false;
   }
-  const auto found = reply.find("result");
-  if (found == reply.end() || !found->is_object() || !found->contains("attachment_id") ||
-      !(*found)["attachment_id"].is_string()) {
-    error = "export_resolve: unexpected reply " + reply.dump();
+  if (!reply.result.is_object() || !reply.result.contains("attachment_id") ||
+      !reply.result["attachment_id"].is_string()) {
+    error = "export_resolve: unexpected reply " + reply.result.dump();
     return false;
   }
-  result = *found;
+  result = reply.result;
   attachment_id_ = result["attachment_id"].get<std::string>();
   // A revocation may already have followed the reply.
-  consume_lines();
+  take_news();
   return true;
 }
 
 int ControlLink::check() {
   if (revoked_.load(std::memory_order_acquire)) return ESHUTDOWN;
-  // The notification is in our receive queue before attachment_delete returns, so this poll,
-  // not a reader thread that may not have run yet, is what makes "the next request" exact.
-  pollfd ready{fd_, POLLIN, 0};
-  if (::poll(&ready, 1, 0) == 0) return 0;
+  // The notification is in our receive queue before attachment_delete returns, so this look
+  // at the socket, not a reader thread that may not have run yet, is what makes "the next
+  // request" exact.
+  if (!client_.has_news()) return 0;
   try {
     std::lock_guard lock(mutex_);
-    if (!revoked_.load(std::memory_order_relaxed)) {
-      if (read_available()) {
-        consume_lines();
-      } else {
-        revoke("the control connection to shareblkd closed");
-      }
-    }
-  } catch (const std::exception&) {  // out of memory for the line: this request fails only
+    if (!revoked_.load(std::memory_order_relaxed)) take_news();
+  } catch (const std::exception&) {  // out of memory for the message: this request fails only
     return ENOMEM;
   }
   return revoked_.load(std::memory_order_acquire) ? ESHUTDOWN : 0;
 }
 
-bool ControlLink::read_available() {
-  char chunk[4096];
-  for (;;) {
-    ssize_t n = ::recv(fd_, chunk, sizeof chunk, MSG_DONTWAIT);
-    if (n > 0) {
-      buffer_.append(chunk, static_cast<size_t>(n));
-      continue;
-    }
-    if (n < 0 && errno == EINTR) continue;
-    return n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK);
-  }
-}
-
-void ControlLink::consume_lines() {
-  for (size_t nl; (nl = buffer_.find('\n')) != std::string::npos;) {
-    const Json line = Json::parse(buffer_.substr(0, nl), nullptr, /*allow_exceptions=*/false);
-    buffer_.erase(0, nl + 1);
-    if (!line.is_object() || line.value("method", Json()) != Json("attachment_revoked")) continue;
-    const Json params = line.value("params", Json());
-    if (params.is_object() && params.value("attachment_id", Json()) == Json(attachment_id_)) {
+void ControlLink::take_news() {
+  std::vector<rpc::Notification> notices;
+  const std::error_code link = client_.poll(notices);
+  for (const rpc::Notification& notice : notices) {
+    if (notice.method != "attachment_revoked" || !notice.params.is_object()) continue;
+    if (notice.params.value("attachment_id", Json()) == Json(attachment_id_)) {
       revoke("the attachment was deleted");
     }
   }
-  if (buffer_.size() > kMaxLine) revoke("the control connection sent an over-long line");
+  // A broken link (the daemon closed it, cut it, or sent an over-long line) could no longer
+  // carry a revocation: fail closed.
+  if (link) revoke("the control connection to shareblkd broke: " + link.message());
 }
 
-void ControlLink::revoke(const char* why) {
+void ControlLink::revoke(const std::string& why) {
   if (revoked_.exchange(true, std::memory_order_acq_rel)) return;
   nbdkit_debug("shareblk: attachment %s: %s; its requests are refused from now on",
-               attachment_id_.c_str(), why);
+               attachment_id_.c_str(), why.c_str());
 }
 
 // One nbdkit connection: the attachment it resolved to, and the volume as that attachment sees

@@ -1,52 +1,52 @@
 #include "tests/control_client.h"
 
 #include <gtest/gtest.h>
-#include <sys/socket.h>
-#include <sys/un.h>
-#include <unistd.h>
 
-#include <cstring>
 #include <stdexcept>
+
+#include "rpc/client.h"
 
 namespace shareblk::testing {
 
+namespace {
+
+// One call on a connection of its own. No answer at all is an exception: the tests' edge.
+shareblk::rpc::Outcome call(const std::string& socket, const std::string& method,
+                            const nlohmann::json& params) {
+  shareblk::rpc::Client client;
+  if (const std::error_code ec = client.connect(socket, shareblk::rpc::kWaitForever)) {
+    throw std::runtime_error("cannot connect to " + socket + ": " + ec.message());
+  }
+  shareblk::rpc::Outcome outcome = client.call(method, params);
+  if (outcome.error && outcome.error->link) {
+    throw std::runtime_error(method + ": no valid reply from " + socket + ": " +
+                             outcome.error->describe());
+  }
+  return outcome;
+}
+
+}  // namespace
+
 nlohmann::json rpc(const std::string& socket, const std::string& method,
                    const nlohmann::json& params) {
-  int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  sockaddr_un addr{};
-  addr.sun_family = AF_UNIX;
-  std::strncpy(addr.sun_path, socket.c_str(), sizeof addr.sun_path - 1);
-  if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) {
-    ::close(fd);
-    throw std::runtime_error("cannot connect to " + socket);
-  }
-  std::string line =
-      nlohmann::json{{"jsonrpc", "2.0"}, {"id", 1}, {"method", method}, {"params", params}}.dump() +
-      "\n";
-  ::send(fd, line.data(), line.size(), MSG_NOSIGNAL);
-  std::string reply;
-  char buf[65536];
-  while (reply.find('\n') == std::string::npos) {
-    ssize_t n = ::recv(fd, buf, sizeof buf, 0);
-    if (n <= 0) break;
-    reply.append(buf, static_cast<size_t>(n));
-  }
-  ::close(fd);
-  return nlohmann::json::parse(reply);
+  const shareblk::rpc::Outcome outcome = call(socket, method, params);
+  if (outcome.ok()) return nlohmann::json{{"result", outcome.result}};
+  nlohmann::json error{{"code", outcome.error->code}, {"message", outcome.error->message}};
+  if (!outcome.error->data.is_null()) error["data"] = outcome.error->data;
+  return nlohmann::json{{"error", error}};
 }
 
 nlohmann::json rpc_ok(const std::string& socket, const std::string& method,
                       const nlohmann::json& params) {
-  nlohmann::json response = rpc(socket, method, params);
-  EXPECT_FALSE(response.contains("error")) << method << ": " << response.dump();
-  return response.value("result", nlohmann::json());
+  const shareblk::rpc::Outcome outcome = call(socket, method, params);
+  EXPECT_TRUE(outcome.ok()) << method << ": " << outcome.error->describe();
+  return outcome.result;
 }
 
 std::string rpc_reason(const std::string& socket, const std::string& method,
                        const nlohmann::json& params) {
-  nlohmann::json response = rpc(socket, method, params);
-  if (!response.contains("error")) return "";
-  return response["error"]["data"].value("reason", "");
+  const shareblk::rpc::Outcome outcome = call(socket, method, params);
+  return outcome.ok() ? "" : outcome.error->reason;
 }
 
 }  // namespace shareblk::testing

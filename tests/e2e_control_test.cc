@@ -954,6 +954,26 @@ TEST_F(ControlLimitsTest, ClientsBeyondTheLimitAreRefusedAndLaterOnesServed) {
   for (auto& c : held) EXPECT_TRUE(c->call("volume_list", Json::object()).contains("result"));
 }
 
+// The CLI reports the daemon's refusal of its connection with the reason and status 1, as any
+// refusal. It used to send its request after the daemon had closed the connection, fail, and
+// report status 3 ("cannot send to shareblkd"), as if no daemon were there.
+TEST_F(ControlLimitsTest, TheCliReportsTheRefusalOfItsConnection) {
+  start({"--max-control-connections", "2"});
+  std::vector<std::unique_ptr<RpcConnection>> held;
+  for (int i = 0; i < 2; ++i) {
+    held.push_back(served_connection(control_socket()));
+    ASSERT_TRUE(held.back()) << "connection " << i << " of 2 was never served";
+  }
+  for (int i = 0; i < 5; ++i) {
+    const st::RunResult refused =
+        st::run({SHAREBLK_CLI_PATH, "--socket", control_socket(), "volume-list"}, seconds(30));
+    EXPECT_EQ(refused.status, 1) << refused.output;
+    EXPECT_NE(refused.output.find("internal: too many control connections (2 at once)"),
+              std::string::npos)
+        << refused.output;
+  }
+}
+
 // The daemon moved into a cgroup (v1 pids controller) whose limit it can be held at, so that
 // starting a thread fails.
 class PidsCgroup {
