@@ -49,7 +49,13 @@ StoreError classify(const std::string& what, const CommandResult& r) {
       message.find("free space") != std::string::npos) {
     return failure(ENOSPC, text);
   }
-  if (message.find("not found") != std::string::npos) return failure(ENOENT, text);
+  // lvm2 2.03 says 'Failed to find logical volume "VG/LV"' for a missing LV and 'Volume group
+  // "VG" not found' for a missing VG.
+  if (message.find("not found") != std::string::npos ||
+      message.find("Failed to find") != std::string::npos) {
+    return failure(ENOENT, text);
+  }
+  if (message.find("already exists") != std::string::npos) return failure(EEXIST, text);
   return failure(EIO, text);
 }
 

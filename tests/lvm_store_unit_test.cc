@@ -193,6 +193,16 @@ TEST_F(LvmStoreUnit, CreateInAFullVolumeGroupIsNoSpace) {
   EXPECT_NE(e.message.find("insufficient free space (13 extents)"), std::string::npos) << e.message;
 }
 
+// VolumeStore's contract: create fails with EEXIST if the id has backing.
+TEST_F(LvmStoreUnit, CreateOfAnExistingVolumeIsEexist) {
+  auto store = make_store();
+  lvm_.answer("lvcreate",
+              fails("Logical Volume \"volume-a1\" already exists in volume group \"vg0\""));
+  StoreError e = store->create("a1", 1024 * 1024);
+  EXPECT_EQ(e.code.value(), EEXIST) << e.message;
+  EXPECT_NE(e.message.find("already exists"), std::string::npos) << e.message;
+}
+
 TEST_F(LvmStoreUnit, AnyOtherLvm2FailureIsEioWithLvm2sWords) {
   auto store = make_store();
   lvm_.answer("lvcreate", fails("Something unforeseen."));
@@ -226,6 +236,15 @@ TEST_F(LvmStoreUnit, ExtendPastTheFreeSpaceIsNoSpace) {
   StoreError e = store->extend("a1", 1024 * 1024 * 1024);
   EXPECT_EQ(e.code.value(), ENOSPC);
   EXPECT_NE(e.message.find("254 extents needed"), std::string::npos) << e.message;
+}
+
+// lvm2 says "Failed to find logical volume" for an LV that is not there; the store's callers
+// tell a missing volume (not_found) from a broken one (internal) by ENOENT.
+TEST_F(LvmStoreUnit, ExtendOfAMissingVolumeIsEnoent) {
+  auto store = make_store();
+  lvm_.answer("lvs", fails("Failed to find logical volume \"vg0/volume-a1\""));
+  StoreError e = store->extend("a1", 1024 * 1024);
+  EXPECT_EQ(e.code.value(), ENOENT) << e.message;
 }
 
 TEST_F(LvmStoreUnit, AnUnreadableReportIsEio) {
@@ -332,6 +351,16 @@ TEST_F(LvmStoreOnAFile, RemoveZeroesEveryExtentThenRemovesTheLogicalVolume) {
   EXPECT_EQ(testing::read_file(pv_, kPeStart + 3 * kExtent, 2 * kExtent),
             std::string(2 * kExtent, 0x5a));
   EXPECT_EQ(testing::read_file(pv_, kPeStart + 7 * kExtent, kExtent), std::string(kExtent, 0x5a));
+}
+
+// A delete retried after the LV went (a crash between lvremove and the database, say) must
+// succeed, or the volume could never be deleted.
+TEST_F(LvmStoreUnit, RemoveOfAVolumeAlreadyGoneIsANoOp) {
+  auto store = make_store();
+  lvm_.answer("lvs", fails("Failed to find logical volume \"vg0/volume-a1\""));
+  StoreError e = store->remove("a1");
+  EXPECT_FALSE(e) << e.message;
+  EXPECT_EQ(lvm_.take_calls(), std::vector<Argv>{lvs_segments_call("a1")});
 }
 
 TEST_F(LvmStoreUnit, RemoveReportsALvremoveFailure) {
