@@ -2,6 +2,7 @@
 #pragma once
 
 #include <chrono>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -16,5 +17,9 @@ struct CommandResult {
 
 CommandResult run_command(const std::vector<std::string>& argv,
                           std::chrono::seconds timeout = std::chrono::seconds(120));
+
+// How the LVM store runs lvm2's tools: run_command for the daemon, a fake in the store's unit
+// tests. argv[0] is the tool ("lvcreate", "lvs", ...).
+using CommandRunner = std::function<CommandResult(const std::vector<std::string>& argv)>;
 
 }  // namespace shareblk::lvm

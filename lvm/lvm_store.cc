@@ -14,8 +14,7 @@
 #include <mutex>
 #include <nlohmann/json.hpp>
 
-#include "lvm/command.h"
-#include "lvm/volume_store.h"
+#include "lvm/lvm_store.h"
 
 namespace shareblk::lvm {
 
@@ -50,7 +49,13 @@ StoreError classify(const std::string& what, const CommandResult& r) {
       message.find("free space") != std::string::npos) {
     return failure(ENOSPC, text);
   }
-  if (message.find("not found") != std::string::npos) return failure(ENOENT, text);
+  // lvm2 2.03 says 'Failed to find logical volume "VG/LV"' for a missing LV and 'Volume group
+  // "VG" not found' for a missing VG.
+  if (message.find("not found") != std::string::npos ||
+      message.find("Failed to find") != std::string::npos) {
+    return failure(ENOENT, text);
+  }
+  if (message.find("already exists") != std::string::npos) return failure(EEXIST, text);
   return failure(EIO, text);
 }
 
@@ -61,8 +66,8 @@ uint64_t as_u64(const Json& v) {
 
 class LvmVolumeStore final : public VolumeStore {
  public:
-  LvmVolumeStore(std::string vg, std::string extra_config)
-      : vg_(std::move(vg)), config_(std::move(extra_config)) {
+  LvmVolumeStore(std::string vg, std::string extra_config, CommandRunner run_lvm)
+      : vg_(std::move(vg)), config_(std::move(extra_config)), run_lvm_(std::move(run_lvm)) {
     // lvm2 complains about every descriptor it inherits from whoever started the daemon;
     // its complaints would bury the message an operator needs.
     ::setenv("LVM_SUPPRESS_FD_WARNINGS", "1", 0);
@@ -180,7 +185,7 @@ class LvmVolumeStore final : public VolumeStore {
 
   CommandResult lvm(std::vector<std::string> argv) {
     argv.insert(argv.begin() + 1, {"--config", config_});
-    return run_command(argv);
+    return run_lvm_(argv);
   }
 
   // Where the bytes of `id`'s first `size` bytes are: its block device when device-mapper
@@ -257,6 +262,7 @@ class LvmVolumeStore final : public VolumeStore {
 
   std::string vg_;
   std::string config_;
+  CommandRunner run_lvm_;
   bool activation_ = true;
   std::mutex mutex_;  // one lvm2 command of ours at a time
 };
@@ -265,7 +271,13 @@ class LvmVolumeStore final : public VolumeStore {
 
 std::unique_ptr<VolumeStore> make_lvm_store(const std::string& vg, const std::string& config,
                                             StoreError& error) {
-  auto store = std::make_unique<LvmVolumeStore>(vg, config);
+  return make_lvm_store(
+      vg, config, [](const std::vector<std::string>& argv) { return run_command(argv); }, error);
+}
+
+std::unique_ptr<VolumeStore> make_lvm_store(const std::string& vg, const std::string& config,
+                                            CommandRunner run_lvm, StoreError& error) {
+  auto store = std::make_unique<LvmVolumeStore>(vg, config, std::move(run_lvm));
   std::vector<std::string> ids;
   if (StoreError e = store->list(ids)) {  // the VG must exist and lvm2 must answer
     error = e;

@@ -33,8 +33,9 @@ void note_allocation() {
 
 }  // namespace
 
-#ifdef SHAREBLK_ASAN  // tests/CMakeLists.txt defines it under SHAREBLK_SANITIZE
-// AddressSanitizer owns malloc and calls these for every allocation, operator new included.
+#ifdef SHAREBLK_SANITIZER_MALLOC  // tests/CMakeLists.txt: under SHAREBLK_SANITIZE(_THREAD)
+// The sanitizer (ASan, TSan) owns malloc and calls these for every allocation, operator new
+// included; replacing malloc under it crashes the runtime at start-up.
 // Declared here: the runtime exports it, but GCC 12 ships no <sanitizer/allocator_interface.h>.
 // NOLINTNEXTLINE(bugprone-reserved-identifier)
 extern "C" int __sanitizer_install_malloc_and_free_hooks(void (*malloc_hook)(const volatile void*,

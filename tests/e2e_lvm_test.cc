@@ -200,6 +200,9 @@ TEST_F(LvmStore, RestartAfterKillServesTheSameExportsAndReportsMissingVolumes) {
   ASSERT_EQ(nbd_pread(rw.h, back.data(), back.size(), kMiB, 0), 0);
   EXPECT_TRUE(back == data);
   EXPECT_EQ(rpc_ok(socket(), "volume_list").size(), 2u);  // metadata is the database's
+  // The volume whose LV is gone can still be deleted: removing absent backing is a no-op.
+  rpc_ok(socket(), "volume_delete", {{"volume_id", gone["id"]}});
+  EXPECT_EQ(rpc_ok(socket(), "volume_list").size(), 1u);
 }
 
 TEST_F(LvmStore, FullVolumeGroupIsNoSpaceAndLeavesNothingBehind) {
