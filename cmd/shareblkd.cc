@@ -3,10 +3,14 @@
 // Managed mode (the default) keeps volumes and attachments under --state-dir and serves them
 // through the control socket's attachment API. Standalone mode (`--export NAME=PATH[,ro]`,
 // repeatable) serves files or block devices directly, like qemu-nbd; the benchmarks use it.
+#include <grp.h>
 #include <signal.h>
 #include <spdlog/spdlog.h>
 
 #include <boost/program_options.hpp>
+#include <cerrno>
+#include <cstdint>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
@@ -62,6 +66,33 @@ sigset_t block_signals() {
   return set;
 }
 
+// "--NAME-mode" and "--NAME-group" as a SocketAccess, or a message saying what is wrong.
+bool parse_socket_access(const po::variables_map& vm, const std::string& name,
+                         target::SocketAccess& out, std::string& error) {
+  const std::string mode = vm[name + "-mode"].as<std::string>();
+  char* end = nullptr;
+  errno = 0;
+  const unsigned long bits = std::strtoul(mode.c_str(), &end, 8);
+  if (mode.empty() || *end != '\0' || errno != 0 || bits > 0777) {
+    error = "--" + name + "-mode must be an octal mode from 0 to 0777, not '" + mode + "'";
+    return false;
+  }
+  out.mode = static_cast<mode_t>(bits);
+  if (vm.count(name + "-group") == 0) return true;
+  const std::string group_name = vm[name + "-group"].as<std::string>();
+  if (const struct group* g = ::getgrnam(group_name.c_str())) {
+    out.group = g->gr_gid;
+    return true;
+  }
+  const unsigned long gid = std::strtoul(group_name.c_str(), &end, 10);
+  if (group_name.empty() || *end != '\0' || gid >= static_cast<unsigned long>(UINT32_MAX)) {
+    error = "--" + name + "-group: no group '" + group_name + "'";
+    return false;
+  }
+  out.group = static_cast<gid_t>(gid);
+  return true;
+}
+
 int run(int argc, char** argv) {
   const target::ServerOptions defaults;  // the timeouts' defaults live there, once
   auto ms = [](std::chrono::milliseconds d) { return static_cast<unsigned>(d.count()); };
@@ -80,6 +111,14 @@ int run(int argc, char** argv) {
      "policy: volumes may be multiattach")
     ("allow_multiattach_bootable", po::value<bool>()->default_value(true),
      "policy: a bootable volume may have several attachments")
+    ("nbd-socket-mode", po::value<std::string>()->default_value("0660"),
+     "mode of the NBD Unix sockets (octal); connecting needs write permission")
+    ("nbd-socket-group", po::value<std::string>(),
+     "group of the NBD Unix sockets, a name or a number (default: the daemon's)")
+    ("control-socket-mode", po::value<std::string>()->default_value("0600"),
+     "mode of the control socket (octal)")
+    ("control-socket-group", po::value<std::string>(),
+     "group of the control socket, a name or a number (default: the daemon's)")
     ("nbd-allow-root", po::bool_switch(),
      "a unix attachment whose connector binds a uid admits root too")
     ("export", po::value<std::vector<std::string>>()->composing(),
@@ -137,6 +176,13 @@ int run(int argc, char** argv) {
     std::cerr << "shareblkd: --handshake-timeout-ms must be at least 1\n";
     return 2;
   }
+  target::SocketAccess control_access;
+  std::string access_error;
+  if (!parse_socket_access(vm, "nbd-socket", options.unix_access, access_error) ||
+      !parse_socket_access(vm, "control-socket", control_access, access_error)) {
+    std::cerr << "shareblkd: " << access_error << "\n";
+    return 2;
+  }
   options.send_timeout = std::chrono::milliseconds(vm["send-timeout-ms"].as<unsigned>());
   options.peer_timeout = std::chrono::milliseconds(vm["peer-timeout-ms"].as<unsigned>());
   sigset_t signals = block_signals();
@@ -179,6 +225,8 @@ int run(int argc, char** argv) {
     std::error_code ec;
     const fs::path state = fs::absolute(vm["state-dir"].as<std::string>()).lexically_normal();
     fs::create_directories(state, ec);
+    // It holds the database (export names are credentials) and the volumes: the daemon's alone.
+    if (!ec) fs::permissions(state, fs::perms::owner_all, ec);
     if (ec) {
       std::cerr << "shareblkd: cannot create " << state << ": " << ec.message() << "\n";
       return 1;
@@ -225,7 +273,8 @@ int run(int argc, char** argv) {
     if (!server.tcp_endpoints().empty()) endpoints.tcp = server.tcp_endpoints().front();
     plane->bind(&server, endpoints);
     if (std::error_code ec =
-            plane->listen(control_socket, vm["max-control-connections"].as<unsigned>())) {
+            plane->listen(control_socket, vm["max-control-connections"].as<unsigned>(),
+                          control_access)) {
       std::cerr << "shareblkd: control socket " << control_socket << ": " << ec.message() << "\n";
       return 1;
     }

@@ -88,27 +88,15 @@ std::string ControlPlane::handle(const std::string& line, const Caller& caller) 
   return handle_line(line, impl_->service, caller);
 }
 
-std::error_code ControlPlane::listen(const std::string& path, size_t max_clients) {
+std::error_code ControlPlane::listen(const std::string& path, size_t max_clients,
+                                     target::SocketAccess access) {
   Impl& s = *impl_;
   s.max_clients = max_clients;
   // nbdkit's connections each hold a control connection for their whole life: some are kept
   // back for operators, or enough NBD clients through nbdkit would lock them out.
   s.service.set_max_subscribers(max_clients - std::min<size_t>(16, max_clients / 2));
-  sockaddr_un addr{};
-  addr.sun_family = AF_UNIX;
-  if (path.size() >= sizeof addr.sun_path)
-    return std::make_error_code(std::errc::filename_too_long);
-  std::memcpy(addr.sun_path, path.c_str(), path.size() + 1);
-  struct stat st {};
-  if (::lstat(path.c_str(), &st) == 0 && S_ISSOCK(st.st_mode)) ::unlink(path.c_str());
-  int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (fd < 0) return {errno, std::generic_category()};
-  if (::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0 ||
-      ::chmod(path.c_str(), 0660) != 0 || ::listen(fd, SOMAXCONN) != 0) {
-    std::error_code ec(errno, std::generic_category());
-    ::close(fd);
-    return ec;
-  }
+  int fd = -1;
+  if (std::error_code ec = target::listen_unix(path, access, fd)) return ec;
   s.listen_fd = fd;
   s.socket_path = path;
   s.acceptor = std::thread([&s] { s.accept_loop(); });

@@ -1,5 +1,9 @@
 #include "control/db.h"
 
+#include <sys/stat.h>
+
+#include <cerrno>
+#include <cstring>
 #include <memory>
 
 namespace shareblk::control {
@@ -137,6 +141,14 @@ Database::Database(const std::string& path) {
   sqlite3_busy_timeout(db_, 5000);
   try {
     migrate(path);  // first: a newer database must not even be switched to WAL
+    // It holds export names, which admit clients: readable by the daemon's user alone. SQLite
+    // gives the WAL and shared-memory files the database's mode when it creates them.
+    for (const char* suffix : {"", "-wal", "-shm"}) {
+      const std::string file = path + suffix;
+      if (::chmod(file.c_str(), 0600) != 0 && errno != ENOENT) {
+        throw DbError("cannot make " + file + " private: " + std::strerror(errno));
+      }
+    }
     exec("PRAGMA journal_mode=WAL");
     exec("PRAGMA synchronous=FULL");
     exec("PRAGMA foreign_keys=ON");

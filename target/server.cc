@@ -115,26 +115,6 @@ void drop_silent_peers_after(int fd, std::chrono::milliseconds timeout) {
   ::setsockopt(fd, IPPROTO_TCP, TCP_USER_TIMEOUT, &user_timeout, sizeof user_timeout);
 }
 
-std::error_code listen_unix(const std::string& path, int& out) {
-  sockaddr_un addr{};
-  addr.sun_family = AF_UNIX;
-  if (path.size() >= sizeof addr.sun_path)
-    return std::make_error_code(std::errc::filename_too_long);
-  std::memcpy(addr.sun_path, path.c_str(), path.size() + 1);
-  struct stat st {};
-  if (::lstat(path.c_str(), &st) == 0 && S_ISSOCK(st.st_mode)) ::unlink(path.c_str());
-  int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (fd < 0) return {errno, std::generic_category()};
-  if (::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0 ||
-      ::listen(fd, SOMAXCONN) != 0) {
-    std::error_code ec(errno, std::generic_category());
-    ::close(fd);
-    return ec;
-  }
-  out = fd;
-  return {};
-}
-
 std::error_code listen_tcp(const std::string& endpoint, int& out, std::string& bound) {
   const size_t colon = endpoint.rfind(':');
   if (colon == std::string::npos) return std::make_error_code(std::errc::invalid_argument);
@@ -213,6 +193,34 @@ Peer peer_of(int fd, bool tcp) {
 }
 
 }  // namespace
+
+std::error_code listen_unix(const std::string& path, const SocketAccess& access, int& out) {
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  if (path.size() >= sizeof addr.sun_path)
+    return std::make_error_code(std::errc::filename_too_long);
+  std::memcpy(addr.sun_path, path.c_str(), path.size() + 1);
+  struct stat st {};
+  if (::lstat(path.c_str(), &st) == 0 && S_ISSOCK(st.st_mode)) ::unlink(path.c_str());
+  int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return {errno, std::generic_category()};
+  // bind() creates the file with the umask's mode: narrowed to `access` there is no moment in
+  // which a client it does not admit could connect. The umask is the process's; listeners are
+  // bound at start-up, before anything else creates files.
+  const mode_t old_umask = ::umask(~access.mode & 0777);
+  const int bound = ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr);
+  ::umask(old_umask);
+  if (bound != 0 ||
+      (access.group && ::chown(path.c_str(), static_cast<uid_t>(-1), *access.group) != 0) ||
+      ::chmod(path.c_str(), access.mode) != 0 || ::listen(fd, SOMAXCONN) != 0) {
+    std::error_code ec(errno, std::generic_category());
+    ::close(fd);
+    if (bound == 0) ::unlink(path.c_str());
+    return ec;
+  }
+  out = fd;
+  return {};
+}
 
 std::string describe(const Peer& peer) {
   if (peer.transport == Peer::Transport::Tcp) return "tcp " + peer.address;
@@ -356,7 +364,7 @@ std::error_code Server::start(std::string& what) {
   }
   for (const std::string& path : s.options.listen_unix) {
     Impl::Listener l;
-    if (std::error_code ec = listen_unix(path, l.fd)) {
+    if (std::error_code ec = listen_unix(path, s.options.unix_access, l.fd)) {
       what = "unix socket " + path;
       return ec;
     }

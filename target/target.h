@@ -70,8 +70,21 @@ class StaticCatalog final : public ExportCatalog {
   std::vector<std::pair<std::string, Export>> exports_;
 };
 
+// Who may connect to a Unix socket the daemon listens on: the socket file's mode and group
+// (its owner is the daemon's user). Connecting needs write permission on it.
+struct SocketAccess {
+  mode_t mode = 0660;
+  std::optional<gid_t> group;  // nullopt: the daemon's own group
+};
+
+// Binds and listens on a Unix socket at `path`, replacing a socket file left there (never
+// another kind of file), with `access` in force before any client can connect. For the NBD
+// listeners and the control socket alike.
+std::error_code listen_unix(const std::string& path, const SocketAccess& access, int& fd);
+
 struct ServerOptions {
   std::vector<std::string> listen_unix;  // socket paths
+  SocketAccess unix_access;              // for every path of listen_unix
   std::vector<std::string> listen_tcp;   // HOST:PORT; port 0 picks a free one
   unsigned workers = 0;                  // io_uring threads; 0 = one per CPU
   unsigned max_connections = 1024;       // beyond this, new connections are closed at once

@@ -37,7 +37,8 @@ class AccessTest : public ::testing::Test {
     daemon_ = std::make_unique<st::Daemon>(args, control());
   }
   std::string control() const { return dir_ / "shareblk.sock"; }
-  std::string nbd_socket() const { return dir_ / "nbd.sock"; }
+  // Outside the state directory, which is the daemon's alone (0700).
+  std::string nbd_socket() const { return socket_dir_ / "nbd.sock"; }
 
   std::string create_volume() {
     return st::rpc_ok(control(), "volume_create",
@@ -59,6 +60,7 @@ class AccessTest : public ::testing::Test {
   }
 
   st::TempDir dir_;
+  st::TempDir socket_dir_;
   std::unique_ptr<st::Daemon> daemon_;
 };
 
@@ -119,11 +121,9 @@ TEST_F(AccessTest, AUnixAttachmentBoundToAUidAdmitsThatUserOnly) {
   SHAREBLK_REQUIRE(st::is_root(), "needs root to run a client as another user");
   SHAREBLK_REQUIRE(st::have_program("setpriv") && st::have_program("nbdinfo"),
                    "needs setpriv (util-linux) and nbdinfo (libnbd-bin)");
-  // The operator opens the socket to local users (issue 18's socket options will do this);
-  // the test's own directory is private to root.
-  ASSERT_EQ(::chmod(dir_.path().c_str(), 0711), 0);
-  start();
-  ASSERT_EQ(::chmod(nbd_socket().c_str(), 0666), 0);
+  // The operator opens the socket to every local user: the uid binding is the gate.
+  ASSERT_EQ(::chmod(socket_dir_.path().c_str(), 0711), 0);
+  start({"--nbd-socket-mode", "0666"});
   const std::string volume = create_volume();
   const Json mine = attach(volume, "i-1", {{"host", "a"}, {"transport", "unix"}, {"uid", kNobody}});
   const Json theirs = attach(volume, "i-2", {{"host", "a2"}, {"transport", "unix"}, {"uid", 1000}});
@@ -146,10 +146,54 @@ TEST_F(AccessTest, AUnixAttachmentBoundToAUidAdmitsThatUserOnly) {
             std::string::npos)
       << log;
 
-  start({"--nbd-allow-root"});
-  ASSERT_EQ(::chmod(nbd_socket().c_str(), 0666), 0);
+  start({"--nbd-socket-mode", "0666", "--nbd-allow-root"});
   EXPECT_EQ(connect_errno(uri_of(mine)), 0);
   EXPECT_EQ(as_nobody(uri_of(theirs)), 1);
+}
+
+mode_t mode_of(const std::string& path) {
+  struct stat st {};
+  EXPECT_EQ(::stat(path.c_str(), &st), 0) << path;
+  return st.st_mode & 07777;
+}
+gid_t group_of(const std::string& path) {
+  struct stat st {};
+  EXPECT_EQ(::stat(path.c_str(), &st), 0) << path;
+  return st.st_gid;
+}
+
+// The state directory and the database hold export names, which admit clients: the daemon's
+// user alone reads them. The sockets' modes and groups are the operator's to set.
+TEST_F(AccessTest, StateIsPrivateAndSocketsTakeTheirModeAndGroup) {
+  start();
+  EXPECT_EQ(mode_of(dir_.path().string()), 0700u);
+  EXPECT_EQ(mode_of(dir_ / "shareblk.db"), 0600u);
+  EXPECT_EQ(mode_of(control()), 0600u);
+  EXPECT_EQ(mode_of(nbd_socket()), 0660u);
+  EXPECT_EQ(group_of(nbd_socket()), ::getgid());
+
+  start({"--nbd-socket-mode", "0666", "--nbd-socket-group", "65534", "--control-socket-mode",
+         "0660", "--control-socket-group", "65534"});
+  EXPECT_EQ(mode_of(nbd_socket()), 0666u);
+  EXPECT_EQ(group_of(nbd_socket()), 65534u);
+  EXPECT_EQ(mode_of(control()), 0660u);
+  EXPECT_EQ(group_of(control()), 65534u);
+  st::rpc_ok(control(), "volume_list");  // still served
+  daemon_->stop(SIGTERM);
+  daemon_.reset();
+
+  // A mode or group that cannot be used is a clear error, not a default.
+  for (const std::vector<std::string>& bad :
+       {std::vector<std::string>{"--nbd-socket-mode", "0999"},
+        std::vector<std::string>{"--control-socket-mode", "01777"},
+        std::vector<std::string>{"--control-socket-mode", "rw"},
+        std::vector<std::string>{"--nbd-socket-group", "no-such-group-here"}}) {
+    std::vector<std::string> argv{st::Daemon::binary(), "--state-dir", dir_.path().string()};
+    argv.insert(argv.end(), bad.begin(), bad.end());
+    st::RunResult r = st::run(argv, std::chrono::seconds(20));
+    EXPECT_EQ(r.status, 2) << bad[0] << " " << bad[1] << ": " << r.output;
+    EXPECT_NE(r.output.find(bad[0]), std::string::npos) << r.output;
+  }
 }
 
 }  // namespace
