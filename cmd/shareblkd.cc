@@ -272,9 +272,8 @@ int run(int argc, char** argv) {
     if (!options.listen_unix.empty()) endpoints.unix_socket = options.listen_unix.front();
     if (!server.tcp_endpoints().empty()) endpoints.tcp = server.tcp_endpoints().front();
     plane->bind(&server, endpoints);
-    if (std::error_code ec =
-            plane->listen(control_socket, vm["max-control-connections"].as<unsigned>(),
-                          control_access)) {
+    if (std::error_code ec = plane->listen(
+            control_socket, vm["max-control-connections"].as<unsigned>(), control_access)) {
       std::cerr << "shareblkd: control socket " << control_socket << ": " << ec.message() << "\n";
       return 1;
     }
