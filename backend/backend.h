@@ -170,8 +170,27 @@ struct Capabilities {
 };
 
 // One attachment's capabilities on `volume` in `mode`. The frontends serve the same volume
-// through one file or device set, so they may all say the same thing.
-Capabilities capabilities(const Volume& volume, AttachMode mode);
+// through one file or device set, so they may all say the same thing. Inline: admit() asks it
+// for every change.
+inline Capabilities capabilities(const Volume& volume, AttachMode mode) {
+  const bool read_only = mode == AttachMode::ReadOnly || !volume.writable();
+  Capabilities c{};
+  c.read_only = read_only;
+  // Trim and write-zeroes are changes; each engine does them natively (fallocate, or zero
+  // bytes written where it cannot), and FAST_ZERO fails with ENOTSUP instead of writing.
+  c.trim = !read_only;
+  c.zero = !read_only;
+  c.fast_zero = !read_only;
+  // FUA is RWF_DSYNC on a write, or a data sync after a trim or write-zeroes.
+  c.flush = true;
+  c.fua = true;
+  // Every connection writes the same file or devices, and a flush is fdatasync of those, which
+  // covers writes made through any descriptor of them.
+  c.multi_conn = true;
+  c.block_status = true;  // SEEK_DATA/SEEK_HOLE on files; a device is all data
+  c.cache = true;         // posix_fadvise(WILLNEED)
+  return c;
+}
 
 // One extent of base:allocation status.
 struct Extent {
@@ -196,9 +215,9 @@ class Handle {
 
   const std::shared_ptr<Volume>& volume() const { return volume_; }
   AttachMode mode() const { return mode_; }
-  Capabilities capabilities() const;
+  Capabilities capabilities() const { return backend::capabilities(*volume_, mode_); }
   // The attachment is read-only, or the volume could only be opened read-only.
-  bool read_only() const;
+  bool read_only() const { return !volume_ || backend::capabilities(*volume_, mode_).read_only; }
 
   // Allocation status of [offset, offset+length): extents in order, at most max_extents,
   // covering at least one byte. Uses SEEK_DATA/SEEK_HOLE; block devices are all data.

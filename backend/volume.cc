@@ -245,69 +245,30 @@ Volume::Location Volume::locate(uint64_t offset, uint64_t length, const void* bu
   return {aligned ? device->direct_fd : device->buffered_fd, at, length};
 }
 
-Capabilities capabilities(const Volume& volume, AttachMode mode) {
-  const bool read_only = mode == AttachMode::ReadOnly || !volume.writable();
-  Capabilities c{};
-  c.read_only = read_only;
-  // Trim and write-zeroes are changes; each engine does them natively (fallocate, or zero
-  // bytes written where it cannot), and FAST_ZERO fails with ENOTSUP instead of writing.
-  c.trim = !read_only;
-  c.zero = !read_only;
-  c.fast_zero = !read_only;
-  // FUA is RWF_DSYNC on a write, or a data sync after a trim or write-zeroes.
-  c.flush = true;
-  c.fua = true;
-  // Every connection writes the same file or devices, and a flush is fdatasync of those, which
-  // covers writes made through any descriptor of them.
-  c.multi_conn = true;
-  c.block_status = true;  // SEEK_DATA/SEEK_HOLE on files; a device is all data
-  c.cache = true;         // posix_fadvise(WILLNEED)
-  return c;
-}
-
-Capabilities Handle::capabilities() const {
-  return backend::capabilities(*volume_, mode_);
-}
-
-bool Handle::read_only() const {
-  return !volume_ || backend::capabilities(*volume_, mode_).read_only;
-}
-
-namespace {
-// The backend flags each operation takes.
-uint32_t allowed_flags(Op op) {
-  switch (op) {
-    case Op::Write:
-    case Op::Trim:
-      return kFua;
-    case Op::WriteZeroes:
-      return kFua | kNoHole | kFastZero;
-    case Op::Read:
-    case Op::Flush:
-    case Op::Cache:
-      return 0;
-  }
-  return 0;
-}
-}  // namespace
-
 int Handle::admit(Op op, uint64_t offset, uint64_t length, uint32_t flags) const {
   if (!volume_) return EINVAL;
-  const bool changes = op == Op::Write || op == Op::Trim || op == Op::WriteZeroes;
-  if (changes && read_only()) return EPERM;
-  if (flags & ~allowed_flags(op)) return EINVAL;
   const uint64_t size = volume_->size();
   const bool in_range = offset <= size && length <= size - offset;
+  // Per op: the read-only rule (capabilities()), then the flags it takes, then the range.
   switch (op) {
     case Op::Write:
+      if (read_only()) return EPERM;
+      if (flags & ~uint32_t{kFua}) return EINVAL;
+      return in_range ? 0 : ENOSPC;
     case Op::WriteZeroes:
+      if (read_only()) return EPERM;
+      if (flags & ~uint32_t{kFua | kNoHole | kFastZero}) return EINVAL;
       return in_range ? 0 : ENOSPC;
     case Op::Trim:
+      if (read_only()) return EPERM;
+      if (flags & ~uint32_t{kFua}) return EINVAL;
+      return in_range ? 0 : EINVAL;
     case Op::Read:
     case Op::Cache:
+      if (flags != 0) return EINVAL;
       return in_range ? 0 : EINVAL;
     case Op::Flush:
-      return 0;
+      return flags != 0 ? EINVAL : 0;
   }
   return EINVAL;
 }
