@@ -13,12 +13,15 @@
 //   - trim being a hint (EOPNOTSUPP is success);
 //   - FUA: RWF_DSYNC on writes, a data sync of every device after trim and write-zeroes;
 //   - CACHE as posix_fadvise(WILLNEED) of its first piece;
-//   - short transfers going on from where they stopped, and a transfer of 0 bytes (the file
-//     shrank under us) being EIO.
+//   - short transfers going on from where they stopped, a transfer of 0 bytes (the file
+//     shrank under us) being EIO, and EAGAIN or EINTR running the same step again.
+// How a step is run stays with each engine: the bounce buffer for unaligned memory (sync.cc),
+// registered buffers and inline copies for volumes in memory (ring.cc).
 #pragma once
 
 #include <fcntl.h>
 #include <linux/falloc.h>
+#include <sys/uio.h>  // RWF_DSYNC
 
 #include <algorithm>
 #include <cerrno>
