@@ -8,6 +8,7 @@
 #include <fcntl.h>
 #include <fuse3/fuse_lowlevel.h>
 #include <linux/falloc.h>
+#include <poll.h>
 #include <spdlog/spdlog.h>
 #include <sys/mount.h>
 #include <sys/stat.h>
@@ -347,6 +348,12 @@ bool LocalAttach::unmount() {
   if (s.dev != 0) abort_connection(s.dev);
   fuse_session_exit(s.se);
   if (s.loop.joinable()) s.loop.join();
+  // libfuse frees its copy of the mountpoint only in fuse_session_unmount(), which also
+  // unmounts that path (lazily) unless the connection has ended, and by now the path may hold
+  // another mount. The connection has ended once the unmount or the abort above went through
+  // (the device then polls POLLERR); only then is that call harmless.
+  pollfd device{fuse_session_fd(s.se), 0, 0};
+  if (::poll(&device, 1, 0) == 1 && (device.revents & POLLERR)) fuse_session_unmount(s.se);
   fuse_session_destroy(s.se);
   s.se = nullptr;
   return lazy;
