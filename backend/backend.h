@@ -1,8 +1,16 @@
-// backend: a volume's bytes on a file or block device, and the io_uring engine that moves them.
+// backend: a volume's bytes on a file or block device, the rules every frontend obeys, and the
+// two engines that move the bytes.
 //
-// Every frontend (the NBD target, and later FUSE and the nbdkit plugin) reaches a volume only
-// through a Handle, and every request passes Handle::admit() first. That is the one place where
-// read-only is enforced and where ranges are checked, so no frontend can forget either.
+// Every frontend (the NBD target, FUSE and the nbdkit plugin) reaches a volume only through a
+// Handle. Two rules live here, once:
+//   - capabilities(): what an attachment may do (read-only, trim, zero, fast zero, flush, FUA,
+//     multi-conn, block status, cache). The NBD handshake, the nbdkit plugin's can_* callbacks
+//     and FUSE's file mode all come from it.
+//   - Handle::admit(): whether one request may run (read-only, range, flags). Every request of
+//     either engine passes it first, so no frontend can forget it.
+// A request then runs as steps that dispatch.h maps from the op to system calls, the same for
+// the synchronous engine (Handle::execute, for FUSE and nbdkit; sync.cc) and the io_uring one
+// (Ring, for the NBD workers; ring.cc).
 //
 // Errors are positive errno values (0 = success) from here to the wire; nothing on the I/O path
 // throws.
@@ -145,6 +153,45 @@ class Volume {
   std::atomic<size_t> segment_count_{0};
 };
 
+// What an attachment may do: computed once, by capabilities(), for every frontend. Each frontend
+// maps it to its own terms (NBD transmission flags, nbdkit's can_* answers, a FUSE file mode).
+// trim, zero and fast_zero are false exactly when read_only is true, so Handle::admit()'s EPERM
+// enforces all four on every request; the rest are always true.
+struct Capabilities {
+  bool read_only;  // no write, trim or write-zeroes: admit() says EPERM
+  bool trim;       // trim (a hint: where the device cannot discard it changes nothing)
+  bool zero;       // write-zeroes, with or without NO_HOLE
+  bool fast_zero;  // write-zeroes with FAST_ZERO: ENOTSUP, changing nothing, where it would be slow
+  bool flush;      // a data sync of every device the volume lies on
+  bool fua;        // requests may ask to be durable on completion (kFua)
+  bool multi_conn;    // a flush on any connection covers every connection's completed writes
+  bool block_status;  // allocation status (Handle::extents, NBD base:allocation)
+  bool cache;         // a read-ahead hint (Op::Cache)
+};
+
+// One attachment's capabilities on `volume` in `mode`. The frontends serve the same volume
+// through one file or device set, so they may all say the same thing. Inline: admit() asks it
+// for every change.
+inline Capabilities capabilities(const Volume& volume, AttachMode mode) {
+  const bool read_only = mode == AttachMode::ReadOnly || !volume.writable();
+  Capabilities c{};
+  c.read_only = read_only;
+  // Trim and write-zeroes are changes; each engine does them natively (fallocate, or zero
+  // bytes written where it cannot), and FAST_ZERO fails with ENOTSUP instead of writing.
+  c.trim = !read_only;
+  c.zero = !read_only;
+  c.fast_zero = !read_only;
+  // FUA is RWF_DSYNC on a write, or a data sync after a trim or write-zeroes.
+  c.flush = true;
+  c.fua = true;
+  // Every connection writes the same file or devices, and a flush is fdatasync of those, which
+  // covers writes made through any descriptor of them.
+  c.multi_conn = true;
+  c.block_status = true;  // SEEK_DATA/SEEK_HOLE on files; a device is all data
+  c.cache = true;         // posix_fadvise(WILLNEED)
+  return c;
+}
+
 // One extent of base:allocation status.
 struct Extent {
   uint64_t length;
@@ -158,31 +205,52 @@ class Handle {
   Handle(std::shared_ptr<Volume> volume, AttachMode mode)
       : volume_(std::move(volume)), mode_(mode) {}
 
-  // The single admission rule, for every frontend: 0, or
-  //   EPERM  a write, trim or write-zeroes through a read-only attachment;
+  // The single admission rule, for every frontend and both engines: 0, or, in this order,
+  //   EPERM  a write, trim or write-zeroes through a read-only attachment (capabilities());
+  //   EINVAL a flag the operation does not take (Write, Trim: kFua; WriteZeroes: kFua,
+  //          kNoHole, kFastZero; the others none);
   //   ENOSPC a write or write-zeroes reaching past the end (NBD "Error values");
   //   EINVAL any other request reaching past the end.
-  int admit(Op op, uint64_t offset, uint64_t length) const;
+  int admit(Op op, uint64_t offset, uint64_t length, uint32_t flags = 0) const;
 
   const std::shared_ptr<Volume>& volume() const { return volume_; }
   AttachMode mode() const { return mode_; }
-  bool read_only() const { return mode_ == AttachMode::ReadOnly; }
+  Capabilities capabilities() const { return backend::capabilities(*volume_, mode_); }
+  // The attachment is read-only, or the volume could only be opened read-only.
+  bool read_only() const { return !volume_ || backend::capabilities(*volume_, mode_).read_only; }
 
   // Allocation status of [offset, offset+length): extents in order, at most max_extents,
   // covering at least one byte. Uses SEEK_DATA/SEEK_HOLE; block devices are all data.
   int extents(uint64_t offset, uint64_t length, size_t max_extents, std::vector<Extent>& out) const;
 
-  // Synchronous I/O for frontends that run on their own threads (FUSE, nbdkit).
-  // Each admits first, like the asynchronous path. Returns errno.
-  int read(void* buf, uint64_t length, uint64_t offset) const;
-  int write(const void* buf, uint64_t length, uint64_t offset, uint32_t flags) const;
-  int flush() const;
-  int trim(uint64_t length, uint64_t offset, uint32_t flags) const;
-  int write_zeroes(uint64_t length, uint64_t offset, uint32_t flags) const;
+  // The synchronous engine, for frontends that run on their own threads (FUSE, nbdkit): admits
+  // the request and runs it on this thread. `buf` is read into (Read) or written from (Write),
+  // and may lie anywhere in memory. Returns errno.
+  int execute(Op op, void* buf, uint64_t length, uint64_t offset, uint32_t flags) const;
+  int read(void* buf, uint64_t length, uint64_t offset) const {
+    return execute(Op::Read, buf, length, offset, 0);
+  }
+  int write(const void* buf, uint64_t length, uint64_t offset, uint32_t flags) const {
+    return execute(Op::Write, const_cast<void*>(buf), length, offset, flags);  // only read from
+  }
+  int flush() const { return execute(Op::Flush, nullptr, 0, 0, 0); }
+  int trim(uint64_t length, uint64_t offset, uint32_t flags) const {
+    return execute(Op::Trim, nullptr, length, offset, flags);
+  }
+  int write_zeroes(uint64_t length, uint64_t offset, uint32_t flags) const {
+    return execute(Op::WriteZeroes, nullptr, length, offset, flags);
+  }
 
  private:
   std::shared_ptr<Volume> volume_;
   AttachMode mode_ = AttachMode::ReadOnly;
+};
+
+// Where a request is among its steps (backend/dispatch.h); kept by the engine that runs it.
+struct DispatchCursor {
+  uint64_t progress = 0;  // bytes (or, for syncs, devices) done so far in this stage
+  uint64_t chunk = 0;     // bytes of the fallocate in flight
+  uint8_t stage = 0;
 };
 
 // What the engine calls when an operation it was given finishes. `res` is the io_uring result
@@ -217,9 +285,7 @@ class IoRequest : public Completion {
   void complete(int res) final;
   class Ring* ring_ = nullptr;
   const Handle* handle_ = nullptr;
-  uint32_t progress_ = 0;  // bytes (or, for syncs, devices) done so far
-  uint32_t chunk_ = 0;     // bytes of the fallocate in flight
-  uint8_t stage_ = 0;      // see ring.cc
+  DispatchCursor cursor_;
 };
 
 // One io_uring, owned by one thread. Socket and disk operations of that thread's connections

@@ -1,4 +1,4 @@
-// The io_uring engine: one ring per thread, volume requests as small state machines.
+// The io_uring engine: one ring per thread; a volume request's steps (dispatch.h) as SQEs.
 #include <fcntl.h>
 #include <liburing.h>
 #include <sys/socket.h>
@@ -8,15 +8,11 @@
 #include <cerrno>
 
 #include "backend/backend.h"
-#include "backend/internal.h"
+#include "backend/dispatch.h"
 
 namespace shareblk::backend {
 
 namespace {
-
-// IoRequest stages: the operation itself, then (write-zeroes only) writing zero bytes where
-// fallocate could not, then (FUA on trim/zero) a data sync.
-enum Stage : uint8_t { kMain = 0, kZeroFill = 1, kSync = 2 };
 
 // Registered-buffer slots per ring. A worker's pool keeps about 2,000 small buffers at most;
 // the ones past the table's end work unregistered.
@@ -103,132 +99,81 @@ void Ring::read(int fd, void* buf, size_t length, Completion* done) {
   io_uring_sqe_set_data(sqe, done);
 }
 
+namespace {
+Work work_of(const IoRequest& r) {
+  return Work{r.op, r.flags, r.offset, r.length, r.buf};
+}
+}  // namespace
+
 void Ring::submit(const Handle& handle, IoRequest* request) {
-  if (int err = handle.admit(request->op, request->offset, request->length)) {
-    request->done(err);
-    return;
-  }
-  if (request->length == 0 && request->op != Op::Flush) {  // nothing to move (fallocate and
-    request->done(0);                                      // fadvise read 0 as "to EOF")
+  const int started = begin(handle, work_of(*request), request->cursor_);
+  if (started != kMoreSteps) {
+    request->done(started);
     return;
   }
   request->ring_ = this;
   request->handle_ = &handle;
-  request->progress_ = 0;
-  request->stage_ = kMain;
   start(request);
 }
 
-// Queues the next step of `r` according to its stage and progress. A step never crosses a
-// segment seam of a mapped volume: locate() clamps it, and completion goes on from there.
+// Queues the next step of `r` (dispatch.h says which).
 void Ring::start(IoRequest* r) {
-  const Volume& v = *r->handle_->volume();
-  const uint64_t offset = r->offset + r->progress_;
-  const uint32_t remaining = r->length - r->progress_;
-  const bool sync = r->stage_ == kSync || (r->stage_ == kMain && r->op == Op::Flush);
-  Volume::Location at{};
-  char* data = r->buf + r->progress_;
-  if (sync) {
-    at.fd = v.device_fd(r->progress_);  // progress counts devices synced
-  } else if (r->stage_ == kZeroFill) {
-    data = const_cast<char*>(zero_buffer());
-    at = v.locate(offset, std::min<uint32_t>(remaining, kZeroBufferSize), data);
-  } else if (r->op == Op::Read || r->op == Op::Write) {
-    at = v.locate(offset, remaining, data);
-  } else {
-    at = v.locate_buffered(offset, remaining);
-  }
-  if (at.fd < 0) {  // past the map: admission makes this unreachable, but never submit it
-    r->done(EIO);
+  Volume& v = *r->handle_->volume();
+  Step step{};
+  if (int err = next_step(v, work_of(*r), r->cursor_, step)) {
+    r->done(err);
     return;
   }
-  const auto length = static_cast<unsigned>(at.length);
-  if (v.in_memory() && r->stage_ == kMain && (r->op == Op::Read || r->op == Op::Write)) {
+  const auto length = static_cast<unsigned>(step.length);  // a request is at most 4 GiB
+  if (v.in_memory() && step.in_request_buffer) {
     // See Volume::in_memory(): a copy here beats a hop to an io-wq thread and back (tmpfs
     // 4 KiB reads: that hop cost about half of the server's CPU per request).
-    const iovec iov{data, length};
-    const auto pos = static_cast<off_t>(at.offset);
-    const ssize_t n = r->op == Op::Read
-                          ? ::preadv2(at.fd, &iov, 1, pos, 0)
-                          : ::pwritev2(at.fd, &iov, 1, pos, (r->flags & kFua) ? RWF_DSYNC : 0);
+    const iovec iov{step.data, length};
+    const auto pos = static_cast<off_t>(step.offset);
+    const ssize_t n = step.call == Syscall::Read ? ::preadv2(step.fd, &iov, 1, pos, 0)
+                                                 : ::pwritev2(step.fd, &iov, 1, pos, step.mode);
     r->complete(n < 0 ? -errno : static_cast<int>(n));
     return;
   }
   io_uring_sqe* sqe = next_sqe();
-  io_uring_sqe_set_data(sqe, static_cast<Completion*>(r));
-  if (sync) {
-    io_uring_prep_fsync(sqe, at.fd, IORING_FSYNC_DATASYNC);
-  } else if (r->stage_ == kZeroFill) {
-    io_uring_prep_write(sqe, at.fd, data, length, at.offset);
-  } else if (r->op == Op::Write) {
-    if (r->buf_index >= 0) {
-      io_uring_prep_write_fixed(sqe, at.fd, data, length, at.offset, r->buf_index);
-    } else {
-      io_uring_prep_write(sqe, at.fd, data, length, at.offset);
-    }
-    if (r->flags & kFua) sqe->rw_flags = RWF_DSYNC;
-  } else if (r->op == Op::Read) {
-    if (r->buf_index >= 0) {
-      io_uring_prep_read_fixed(sqe, at.fd, data, length, at.offset, r->buf_index);
-    } else {
-      io_uring_prep_read(sqe, at.fd, data, length, at.offset);
-    }
-  } else if (r->op == Op::Cache) {
-    io_uring_prep_fadvise(sqe, at.fd, at.offset, static_cast<off_t>(length), POSIX_FADV_WILLNEED);
-  } else {  // Trim, WriteZeroes
-    int mode = fallocate_mode(v, r->op, r->flags);
-    if (mode & FALLOC_FL_PUNCH_HOLE) r->handle_->volume()->note_holes();
-    r->chunk_ = length;
-    io_uring_prep_fallocate(sqe, at.fd, mode, at.offset, length);
+  const bool fixed = step.in_request_buffer && r->buf_index >= 0;
+  switch (step.call) {
+    case Syscall::Read:
+      if (fixed) {
+        io_uring_prep_read_fixed(sqe, step.fd, step.data, length, step.offset, r->buf_index);
+      } else {
+        io_uring_prep_read(sqe, step.fd, step.data, length, step.offset);
+      }
+      break;
+    case Syscall::Write:
+      if (fixed) {
+        io_uring_prep_write_fixed(sqe, step.fd, step.data, length, step.offset, r->buf_index);
+      } else {
+        io_uring_prep_write(sqe, step.fd, step.data, length, step.offset);
+      }
+      sqe->rw_flags = step.mode;
+      break;
+    case Syscall::Fallocate:
+      io_uring_prep_fallocate(sqe, step.fd, step.mode, step.offset, step.length);
+      break;
+    case Syscall::Fdatasync:
+      io_uring_prep_fsync(sqe, step.fd, IORING_FSYNC_DATASYNC);
+      break;
+    case Syscall::Fadvise:
+      io_uring_prep_fadvise(sqe, step.fd, step.offset, static_cast<off_t>(length),
+                            POSIX_FADV_WILLNEED);
+      break;
   }
+  io_uring_sqe_set_data(sqe, static_cast<Completion*>(r));
 }
 
 void IoRequest::complete(int res) {
-  Ring* ring = ring_;
-  if (res == -EAGAIN || res == -EINTR) {  // nothing happened; try the same step again
-    ring->start(this);
-    return;
+  const int result = advance(*handle_->volume(), work_of(*this), cursor_, res);
+  if (result == kMoreSteps) {
+    ring_->start(this);
+  } else {
+    done(result);
   }
-  const Volume& v = *handle_->volume();
-  const bool sync = stage_ == kSync || (stage_ == kMain && op == Op::Flush);
-  if (res < 0) {
-    if (stage_ == kMain && res == -EOPNOTSUPP && op == Op::WriteZeroes) {
-      if (flags & kFastZero) return done(ENOTSUP);
-      stage_ = kZeroFill;  // no fallocate here: write the zeroes, from where it stopped
-      ring->start(this);
-      return;
-    }
-    if (stage_ == kMain && res == -EOPNOTSUPP && op == Op::Trim) {
-      res = 0;  // trim is a hint: a device that cannot discard ignores it
-    } else {
-      return done(-res);
-    }
-  }
-  bool more = false;
-  if (sync) {
-    progress_ += 1;
-    more = progress_ < v.device_count();
-  } else if (op == Op::Cache) {
-    more = false;  // a hint: the first piece is enough
-  } else if (stage_ == kZeroFill || op == Op::Read || op == Op::Write) {
-    if (res == 0) return done(EIO);           // end of file inside the volume: it shrank under us
-    progress_ += static_cast<uint32_t>(res);  // a short transfer or a seam: go on from there
-    more = progress_ < length;
-  } else {  // Trim, WriteZeroes: fallocate does all of a piece or fails
-    progress_ += chunk_;
-    more = progress_ < length;
-  }
-  if (more) {
-    ring->start(this);
-    return;
-  }
-  if ((flags & kFua) && (op == Op::Trim || op == Op::WriteZeroes) && stage_ != kSync) {
-    stage_ = kSync;
-    progress_ = 0;
-    ring->start(this);
-    return;
-  }
-  done(0);
 }
 
 int Ring::run_once(int timeout_ms) {

@@ -1,6 +1,5 @@
-// Opening volumes, the admission rule, allocation status, and synchronous I/O.
+// Opening volumes, the capability and admission rules, and allocation status.
 #include <fcntl.h>
-#include <linux/falloc.h>
 #include <linux/fs.h>
 #include <linux/magic.h>
 #include <sys/ioctl.h>
@@ -17,7 +16,6 @@
 #include <memory>
 
 #include "backend/backend.h"
-#include "backend/internal.h"
 
 namespace shareblk::backend {
 
@@ -247,23 +245,30 @@ Volume::Location Volume::locate(uint64_t offset, uint64_t length, const void* bu
   return {aligned ? device->direct_fd : device->buffered_fd, at, length};
 }
 
-int Handle::admit(Op op, uint64_t offset, uint64_t length) const {
+int Handle::admit(Op op, uint64_t offset, uint64_t length, uint32_t flags) const {
   if (!volume_) return EINVAL;
   const uint64_t size = volume_->size();
   const bool in_range = offset <= size && length <= size - offset;
+  // Per op: the read-only rule (capabilities()), then the flags it takes, then the range.
   switch (op) {
     case Op::Write:
+      if (read_only()) return EPERM;
+      if (flags & ~uint32_t{kFua}) return EINVAL;
+      return in_range ? 0 : ENOSPC;
     case Op::WriteZeroes:
-      if (mode_ == AttachMode::ReadOnly || !volume_->writable()) return EPERM;
+      if (read_only()) return EPERM;
+      if (flags & ~uint32_t{kFua | kNoHole | kFastZero}) return EINVAL;
       return in_range ? 0 : ENOSPC;
     case Op::Trim:
-      if (mode_ == AttachMode::ReadOnly || !volume_->writable()) return EPERM;
+      if (read_only()) return EPERM;
+      if (flags & ~uint32_t{kFua}) return EINVAL;
       return in_range ? 0 : EINVAL;
     case Op::Read:
     case Op::Cache:
+      if (flags != 0) return EINVAL;
       return in_range ? 0 : EINVAL;
     case Op::Flush:
-      return 0;
+      return flags != 0 ? EINVAL : 0;
   }
   return EINVAL;
 }
@@ -300,169 +305,6 @@ int Handle::extents(uint64_t offset, uint64_t length, size_t max_extents,
     pos = stop;
   }
   return 0;
-}
-
-int fallocate_mode(const Volume& volume, Op op, uint32_t flags) {
-  if (op == Op::Trim) return FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE;
-  // Write-zeroes. On a block device, PUNCH_HOLE is the kernel's zero-out without a slow
-  // fallback (so it is the fast-zero test) and ZERO_RANGE may fall back to writing zeroes.
-  // On a file, PUNCH_HOLE leaves a hole that reads as zeroes unless the client wants the
-  // blocks allocated (NBD_CMD_FLAG_NO_HOLE).
-  if (volume.is_block_device()) {
-    return (flags & kFastZero) ? FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE
-                               : FALLOC_FL_ZERO_RANGE | FALLOC_FL_KEEP_SIZE;
-  }
-  return (flags & kNoHole) ? FALLOC_FL_ZERO_RANGE | FALLOC_FL_KEEP_SIZE
-                           : FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE;
-}
-
-const char* zero_buffer() {
-  static char* zeroes = [] {
-    void* p = nullptr;
-    if (::posix_memalign(&p, 4096, kZeroBufferSize) != 0) std::abort();
-    std::memset(p, 0, kZeroBufferSize);
-    return static_cast<char*>(p);
-  }();
-  return zeroes;
-}
-
-namespace {
-int read_all(const Volume& v, char* p, uint64_t length, uint64_t offset) {
-  uint64_t done = 0;
-  while (done < length) {
-    Volume::Location at = v.locate(offset + done, length - done, p + done);
-    if (at.fd < 0) return EIO;
-    ssize_t n = ::pread(at.fd, p + done, at.length, static_cast<off_t>(at.offset));
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0) return errno;
-    if (n == 0) return EIO;  // the file shrank under us
-    done += static_cast<uint64_t>(n);
-  }
-  return 0;
-}
-
-// O_DIRECT wants the memory aligned as well as the range. The synchronous callers pass the
-// buffers their library hands them (nbdkit's malloc, libfuse's request buffer), so an aligned
-// range in unaligned memory goes through this thread's aligned buffer: otherwise it would take
-// the buffered descriptor and leave the volume's bytes in this host's page cache.
-// 256 KiB: a multiple of any direct-I/O alignment, and little memory for each of the many
-// threads nbdkit and libfuse run.
-constexpr uint64_t kBounceSize = 256 << 10;
-
-char* bounce_for(const Volume& v, const void* buf, uint64_t length, uint64_t offset) {
-  const uint64_t mask = v.direct_alignment() - 1;
-  if (!v.is_direct() || ((offset | length) & mask) != 0 ||
-      (reinterpret_cast<uintptr_t>(buf) & mask) == 0) {
-    return nullptr;
-  }
-  thread_local std::unique_ptr<char, decltype(&std::free)> bounce(nullptr, &std::free);
-  thread_local uint64_t bounce_align = 0;
-  const uint64_t align = std::max<uint64_t>(4096, v.direct_alignment());
-  if (!bounce || bounce_align < align) {
-    bounce.reset(static_cast<char*>(std::aligned_alloc(align, kBounceSize)));
-    bounce_align = bounce ? align : 0;
-  }
-  return bounce.get();  // nullptr when out of memory: then the page cache it is
-}
-}  // namespace
-
-int Handle::read(void* buf, uint64_t length, uint64_t offset) const {
-  if (int err = admit(Op::Read, offset, length)) return err;
-  auto* p = static_cast<char*>(buf);
-  char* bounce = bounce_for(*volume_, buf, length, offset);
-  if (bounce == nullptr) return read_all(*volume_, p, length, offset);
-  for (uint64_t done = 0; done < length;) {
-    const uint64_t n = std::min(length - done, kBounceSize);
-    if (int err = read_all(*volume_, bounce, n, offset + done)) return err;
-    std::memcpy(p + done, bounce, n);
-    done += n;
-  }
-  return 0;
-}
-
-namespace {
-int write_all(const Volume& v, const char* p, uint64_t length, uint64_t offset, int rwflags) {
-  uint64_t done = 0;
-  while (done < length) {
-    Volume::Location at = v.locate(offset + done, length - done, p + done);
-    if (at.fd < 0) return EIO;
-    iovec iov{const_cast<char*>(p + done), at.length};
-    ssize_t n = ::pwritev2(at.fd, &iov, 1, static_cast<off_t>(at.offset), rwflags);
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0) return errno;
-    done += static_cast<uint64_t>(n);
-  }
-  return 0;
-}
-
-// fallocate over the whole range, one contiguous piece at a time.
-int fallocate_all(const Volume& v, int mode, uint64_t length, uint64_t offset) {
-  for (uint64_t done = 0; done < length;) {
-    Volume::Location at = v.locate_buffered(offset + done, length - done);
-    if (at.fd < 0) return EIO;
-    if (::fallocate(at.fd, mode, static_cast<off_t>(at.offset), static_cast<off_t>(at.length)) !=
-        0) {
-      return errno;
-    }
-    done += at.length;
-  }
-  return 0;
-}
-
-int write_zero_bytes(const Volume& v, uint64_t length, uint64_t offset) {
-  const char* zeroes = zero_buffer();
-  for (uint64_t done = 0; done < length;) {
-    uint64_t n = std::min<uint64_t>(length - done, kZeroBufferSize);
-    if (int err = write_all(v, zeroes, n, offset + done, 0)) return err;
-    done += n;
-  }
-  return 0;
-}
-}  // namespace
-
-int Handle::write(const void* buf, uint64_t length, uint64_t offset, uint32_t flags) const {
-  if (int err = admit(Op::Write, offset, length)) return err;
-  const auto* p = static_cast<const char*>(buf);
-  const int rwflags = (flags & kFua) ? RWF_DSYNC : 0;
-  char* bounce = bounce_for(*volume_, buf, length, offset);
-  if (bounce == nullptr) return write_all(*volume_, p, length, offset, rwflags);
-  for (uint64_t done = 0; done < length;) {
-    const uint64_t n = std::min(length - done, kBounceSize);
-    std::memcpy(bounce, p + done, n);
-    if (int err = write_all(*volume_, bounce, n, offset + done, rwflags)) return err;
-    done += n;
-  }
-  return 0;
-}
-
-int Handle::flush() const {
-  if (int err = admit(Op::Flush, 0, 0)) return err;
-  for (size_t i = 0; i < volume_->device_count(); ++i) {
-    if (::fdatasync(volume_->device_fd(i)) != 0) return errno;
-  }
-  return 0;
-}
-
-int Handle::trim(uint64_t length, uint64_t offset, uint32_t flags) const {
-  if (int err = admit(Op::Trim, offset, length)) return err;
-  if (length == 0) return 0;
-  volume_->note_holes();
-  int err = fallocate_all(*volume_, fallocate_mode(*volume_, Op::Trim, flags), length, offset);
-  if (err != 0 && err != EOPNOTSUPP) return err;  // trim is a hint: no discard, no error
-  return (flags & kFua) ? flush() : 0;
-}
-
-int Handle::write_zeroes(uint64_t length, uint64_t offset, uint32_t flags) const {
-  if (int err = admit(Op::WriteZeroes, offset, length)) return err;
-  if (length == 0) return 0;
-  int mode = fallocate_mode(*volume_, Op::WriteZeroes, flags);
-  if (mode & FALLOC_FL_PUNCH_HOLE) volume_->note_holes();
-  if (int err = fallocate_all(*volume_, mode, length, offset)) {
-    if (err != EOPNOTSUPP) return err;
-    if (flags & kFastZero) return ENOTSUP;
-    if ((err = write_zero_bytes(*volume_, length, offset))) return err;
-  }
-  return (flags & kFua) ? flush() : 0;
 }
 
 }  // namespace shareblk::backend

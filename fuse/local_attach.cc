@@ -8,6 +8,7 @@
 #include <fcntl.h>
 #include <fuse3/fuse_lowlevel.h>
 #include <linux/falloc.h>
+#include <poll.h>
 #include <spdlog/spdlog.h>
 #include <sys/mount.h>
 #include <sys/stat.h>
@@ -76,6 +77,9 @@ bool abort_connection(dev_t dev) {
 
 struct LocalAttach::Session {
   backend::Handle handle;
+  // What the attachment may do (backend::capabilities, as the NBD handshake and the nbdkit
+  // plugin say it): the file's mode, and which requests are refused here.
+  backend::Capabilities can{};
   fuse_session* se = nullptr;
   std::thread loop;
   dev_t dev = 0;
@@ -88,7 +92,7 @@ struct LocalAttach::Session {
     st.st_uid = ::getuid();
     st.st_gid = ::getgid();
     if (ino == kDisk) {
-      st.st_mode = S_IFREG | (handle.read_only() ? 0444 : 0644);
+      st.st_mode = S_IFREG | (can.read_only ? 0444 : 0644);
       st.st_nlink = 1;
       st.st_size = static_cast<off_t>(handle.volume()->size());
       st.st_blksize = 4096;
@@ -129,7 +133,7 @@ void op_setattr(fuse_req_t req, fuse_ino_t ino, struct stat* attr, int to_set,
   if (to_set & FUSE_SET_ATTR_SIZE) {
     // A volume's size changes only through volume_extend; truncating to its own size is
     // harmless (O_TRUNC is refused in open for read-only attachments).
-    if (s.handle.read_only()) {
+    if (s.can.read_only) {
       fuse_reply_err(req, EROFS);
       return;
     }
@@ -170,7 +174,7 @@ void op_open(fuse_req_t req, fuse_ino_t ino, fuse_file_info* fi) {
     return;
   }
   Session& s = Session::of(req);
-  if (s.handle.read_only() && ((fi->flags & O_ACCMODE) != O_RDONLY || (fi->flags & O_TRUNC))) {
+  if (s.can.read_only && ((fi->flags & O_ACCMODE) != O_RDONLY || (fi->flags & O_TRUNC))) {
     fuse_reply_err(req, EROFS);
     return;
   }
@@ -212,7 +216,8 @@ void op_write(fuse_req_t req, fuse_ino_t /*ino*/, const char* buf, size_t size, 
 }
 
 void op_fsync(fuse_req_t req, fuse_ino_t /*ino*/, int /*datasync*/, fuse_file_info* /*fi*/) {
-  fuse_reply_err(req, Session::of(req).handle.flush());
+  const Session& s = Session::of(req);
+  fuse_reply_err(req, s.can.flush ? s.handle.flush() : EOPNOTSUPP);
 }
 
 void op_flush(fuse_req_t req, fuse_ino_t /*ino*/, fuse_file_info* /*fi*/) {
@@ -225,11 +230,18 @@ void op_release(fuse_req_t req, fuse_ino_t /*ino*/, fuse_file_info* /*fi*/) {
 
 void op_fallocate(fuse_req_t req, fuse_ino_t /*ino*/, int mode, off_t offset, off_t length,
                   fuse_file_info* /*fi*/) {
-  const backend::Handle& h = Session::of(req).handle;
+  const Session& s = Session::of(req);
+  const backend::Handle& h = s.handle;
   const auto off = static_cast<uint64_t>(offset);
   const auto len = static_cast<uint64_t>(length);
+  const bool zeroes = mode == (FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE) ||
+                      mode == FALLOC_FL_ZERO_RANGE ||
+                      mode == (FALLOC_FL_ZERO_RANGE | FALLOC_FL_KEEP_SIZE);
   int err;
-  if (mode == (FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE)) {
+  if (zeroes && !s.can.zero) {
+    // Read-only: the admission rule's answer; otherwise the attachment cannot zero at all.
+    err = s.can.read_only ? EPERM : EOPNOTSUPP;
+  } else if (mode == (FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE)) {
     // A punched range must read back as zeroes, which a bare discard does not promise on
     // every device: write-zeroes punches where it can and writes zeroes where it cannot.
     err = h.write_zeroes(len, off, 0);
@@ -295,6 +307,7 @@ std::unique_ptr<LocalAttach> LocalAttach::mount(const std::string& mountpoint,
   attach->session_ = std::make_unique<Session>();
   Session& s = *attach->session_;
   s.handle = std::move(handle);
+  s.can = s.handle.capabilities();
 
   const char* argv[] = {"shareblkd", "-o", "fsname=shareblk,subtype=shareblk,allow_other"};
   fuse_args args = FUSE_ARGS_INIT(3, const_cast<char**>(argv));
@@ -335,6 +348,12 @@ bool LocalAttach::unmount() {
   if (s.dev != 0) abort_connection(s.dev);
   fuse_session_exit(s.se);
   if (s.loop.joinable()) s.loop.join();
+  // libfuse frees its copy of the mountpoint only in fuse_session_unmount(), which also
+  // unmounts that path (lazily) unless the connection has ended, and by now the path may hold
+  // another mount. The connection has ended once the unmount or the abort above went through
+  // (the device then polls POLLERR); only then is that call harmless.
+  pollfd device{fuse_session_fd(s.se), 0, 0};
+  if (::poll(&device, 1, 0) == 1 && (device.revents & POLLERR)) fuse_session_unmount(s.se);
   fuse_session_destroy(s.se);
   s.se = nullptr;
   return lazy;

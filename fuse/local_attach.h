@@ -2,7 +2,8 @@
 // hosts without the kernel's nbd module: `losetup` on that file gives them a block device.
 //
 // Every read, write, flush and trim goes through the attachment's backend::Handle, so the
-// read-only rule is the same one the NBD target obeys.
+// read-only rule is the same one the NBD target obeys; the file's mode and the requests refused
+// here come from backend::capabilities(), as the NBD handshake's flags do.
 #pragma once
 
 #include <memory>

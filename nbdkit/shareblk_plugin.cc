@@ -255,37 +255,34 @@ int shareblk_is_rotational(void* handle) {
   return as_connection(handle)->io.volume()->rotational() ? 1 : 0;
 }
 
+// What the connection may do is the backend's rule (backend::capabilities), the same the NBD
+// handshake and FUSE follow; nbdkit asks each part through its own callback.
+backend::Capabilities capabilities_of(void* handle) {
+  return as_connection(handle)->io.capabilities();
+}
 int shareblk_can_write(void* handle) {
-  const backend::Handle& io = as_connection(handle)->io;
-  return !io.read_only() && io.volume()->writable() ? 1 : 0;
+  return capabilities_of(handle).read_only ? 0 : 1;
 }
-
-// The backend does each of these natively; FUA is RWF_DSYNC or a flush after the operation.
-int shareblk_can_flush(void* /*handle*/) {
-  return 1;
+int shareblk_can_flush(void* handle) {
+  return capabilities_of(handle).flush ? 1 : 0;
 }
-int shareblk_can_trim(void* /*handle*/) {
-  return 1;
+int shareblk_can_trim(void* handle) {
+  return capabilities_of(handle).trim ? 1 : 0;
 }
-int shareblk_can_zero(void* /*handle*/) {
-  return 1;
+int shareblk_can_zero(void* handle) {
+  return capabilities_of(handle).zero ? 1 : 0;
 }
-// Handle::write_zeroes with kFastZero fails with ENOTSUP, changing nothing, where only writing
-// zeroes would do.
-int shareblk_can_fast_zero(void* /*handle*/) {
-  return 1;
+int shareblk_can_fast_zero(void* handle) {
+  return capabilities_of(handle).fast_zero ? 1 : 0;
 }
-int shareblk_can_fua(void* /*handle*/) {
-  return NBDKIT_FUA_NATIVE;
+int shareblk_can_fua(void* handle) {
+  return capabilities_of(handle).fua ? NBDKIT_FUA_NATIVE : NBDKIT_FUA_NONE;
 }
-// Every connection writes the same file or devices, and a flush is fdatasync of those, which
-// covers writes made through any descriptor of them: a flush on one connection makes every
-// connection's completed writes durable.
-int shareblk_can_multi_conn(void* /*handle*/) {
-  return 1;
+int shareblk_can_multi_conn(void* handle) {
+  return capabilities_of(handle).multi_conn ? 1 : 0;
 }
-int shareblk_can_extents(void* /*handle*/) {
-  return 1;
+int shareblk_can_extents(void* handle) {
+  return capabilities_of(handle).block_status ? 1 : 0;
 }
 
 // --- Data ---

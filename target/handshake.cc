@@ -264,7 +264,8 @@ Negotiation::Next Negotiation::meta_context(uint32_t option, const std::vector<u
     error(option, kRepErrInvalid, "malformed metadata context request");
     return Next::Continue;
   }
-  if (!lookup(option, name)) return Next::Continue;
+  const std::optional<Export> exp = lookup(option, name);
+  if (!exp) return Next::Continue;
 
   const bool set = option == kOptSetMetaContext;
   // LIST with no queries lists everything; a "base:" query names the whole namespace.
@@ -272,6 +273,7 @@ Negotiation::Next Negotiation::meta_context(uint32_t option, const std::vector<u
   for (const std::string& q : queries) {
     if (q == kBaseAllocation || (!set && q == "base:")) match = true;
   }
+  match = match && backend::capabilities(*exp->volume, exp->mode).block_status;
   if (set) {
     session_.base_allocation = match;
     context_export_ = name;
@@ -288,16 +290,19 @@ Negotiation::Next Negotiation::meta_context(uint32_t option, const std::vector<u
 }  // namespace
 
 uint16_t transmission_flags(const Export& exp, bool structured_replies) {
-  uint16_t flags = kFlagHasFlags | kFlagSendFlush | kFlagSendFua | kFlagSendCache;
-  // A flush on any connection syncs the file or device that every connection writes to, so
-  // it covers all writes acknowledged on any connection: multi-conn is true.
-  flags |= kFlagCanMultiConn;
+  // What the attachment may do is the backend's rule (backend::capabilities); here it only
+  // becomes the wire's flags (proto.md "Transmission flags").
+  const backend::Capabilities can = backend::capabilities(*exp.volume, exp.mode);
+  uint16_t flags = kFlagHasFlags;
+  if (can.read_only) flags |= kFlagReadOnly;
+  if (can.flush) flags |= kFlagSendFlush;
+  if (can.fua) flags |= kFlagSendFua;
+  if (can.cache) flags |= kFlagSendCache;
+  if (can.multi_conn) flags |= kFlagCanMultiConn;
+  if (can.trim) flags |= kFlagSendTrim;
+  if (can.zero) flags |= kFlagSendWriteZeroes;
+  if (can.fast_zero) flags |= kFlagSendFastZero;
   if (structured_replies) flags |= kFlagSendDf;
-  if (exp.mode == backend::AttachMode::ReadOnly || !exp.volume->writable()) {
-    flags |= kFlagReadOnly;
-  } else {
-    flags |= kFlagSendTrim | kFlagSendWriteZeroes | kFlagSendFastZero;
-  }
   if (exp.volume->rotational()) flags |= kFlagRotational;
   return flags;
 }
