@@ -207,8 +207,8 @@ class Handle {
 
   // The single admission rule, for every frontend and both engines: 0, or, in this order,
   //   EPERM  a write, trim or write-zeroes through a read-only attachment (capabilities());
-  //   EINVAL a flag the operation does not take (Write, Trim: kFua; WriteZeroes: kFua,
-  //          kNoHole, kFastZero; the others none);
+  //   EINVAL a flag the operation does not take (kFua: every operation, as NBD allows it on
+  //          every command; kNoHole, kFastZero: WriteZeroes only);
   //   ENOSPC a write or write-zeroes reaching past the end (NBD "Error values");
   //   EINVAL any other request reaching past the end.
   int admit(Op op, uint64_t offset, uint64_t length, uint32_t flags = 0) const;

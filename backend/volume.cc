@@ -263,12 +263,14 @@ int Handle::admit(Op op, uint64_t offset, uint64_t length, uint32_t flags) const
       if (read_only()) return EPERM;
       if (flags & ~uint32_t{kFua}) return EINVAL;
       return in_range ? 0 : EINVAL;
+    // FUA is allowed on every command (NBD proto.md, "Command flags"); where nothing is
+    // written it asks for nothing.
     case Op::Read:
     case Op::Cache:
-      if (flags != 0) return EINVAL;
+      if (flags & ~uint32_t{kFua}) return EINVAL;
       return in_range ? 0 : EINVAL;
     case Op::Flush:
-      return flags != 0 ? EINVAL : 0;
+      return (flags & ~uint32_t{kFua}) ? EINVAL : 0;
   }
   return EINVAL;
 }

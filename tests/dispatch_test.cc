@@ -206,11 +206,16 @@ std::vector<Request> op_sequence(uint64_t size, uint64_t seam) {
       {Op::WriteZeroes, 0, k4, backend::kFastZero, true, 0, 0, EPERM},
       {Op::Flush, 0, 0, 0, true, 0, 0, 0},
       {Op::Cache, 0, k4, 0, true, 0, 0, 0},
-      // Flags an op does not take.
-      {Op::Read, 0, k4, backend::kFua, false, 0, 0, EINVAL},
+      // FUA on any op (NBD allows it on every command; it asks nothing where nothing is
+      // written)...
+      {Op::Read, 0, k4, backend::kFua, false, 0, 0, 0},
+      {Op::Flush, 0, 0, backend::kFua, false, 0, 0, 0},
+      {Op::Cache, 0, k4, backend::kFua, false, 0, 0, 0},
+      // ...but not flags an op does not take.
+      {Op::Read, 0, k4, backend::kNoHole, false, 0, 0, EINVAL},
       {Op::Trim, 0, k4, backend::kNoHole, false, 0, 0, EINVAL},
       {Op::Write, 0, k4, backend::kFastZero, false, 0, 10, EINVAL},
-      {Op::Flush, 0, 0, backend::kFua, false, 0, 0, EINVAL},
+      {Op::Flush, 0, 0, backend::kFastZero, false, 0, 0, EINVAL},
       {Op::Write, 0, k4, backend::kNoHole, true, 0, 10, EPERM},  // EPERM before EINVAL
       {Op::Read, 0, static_cast<uint32_t>(size), 0, false, 0, 0, 0},
   };
