@@ -97,8 +97,7 @@ Json Service::attachment_create(const AttachmentSpec& spec) {
   a.instance_uuid = spec.instance_uuid;
   a.attached_host = spec.attached_host;
   a.mode = spec.mode;
-  auto lock_holder = volumes_.lock(spec.volume_id);
-  std::lock_guard lock(*lock_holder);
+  const VolumeLock lock = volumes_.lock(spec.volume_id);
   Database::Transaction tx(db_);
   VolumeRow v = find_volume(tx, spec.volume_id);
   std::vector<AttachmentRow> current;
@@ -139,8 +138,7 @@ Json Service::attachment_create(const AttachmentSpec& spec) {
 
 Json Service::attachment_update(const std::string& id, const Json& connector) {
   const std::string volume_id = volume_of(id);
-  auto lock_holder = volumes_.lock(volume_id);
-  std::lock_guard lock(*lock_holder);
+  const VolumeLock lock = volumes_.lock(volume_id);
   Database::Transaction tx(db_);
   AttachmentRow a = find_attachment(tx, id);
   VolumeRow v = find_volume(tx, volume_id);
@@ -163,8 +161,7 @@ Json Service::attachment_update(const std::string& id, const Json& connector) {
 
 Json Service::attachment_complete(const std::string& id) {
   const std::string volume_id = volume_of(id);
-  auto lock_holder = volumes_.lock(volume_id);
-  std::lock_guard lock(*lock_holder);
+  const VolumeLock lock = volumes_.lock(volume_id);
   Database::Transaction tx(db_);
   AttachmentRow a = find_attachment(tx, id);
   VolumeRow v = find_volume(tx, volume_id);
@@ -209,15 +206,13 @@ Json Service::detach(const std::string& volume_id, const std::string& attachment
 
 Json Service::attachment_delete(const std::string& id) {
   const std::string volume_id = volume_of(id);
-  auto lock_holder = volumes_.lock(volume_id);
-  std::lock_guard lock(*lock_holder);
+  const VolumeLock lock = volumes_.lock(volume_id);
   return detach(volume_id, id);
 }
 
 Json Service::volume_detach(const std::string& volume_id,
                             std::optional<std::string> attachment_id) {
-  auto lock_holder = volumes_.lock(volume_id);
-  std::lock_guard lock(*lock_holder);
+  const VolumeLock lock = volumes_.lock(volume_id);
   {
     Database::Transaction tx(db_);
     find_volume(tx, volume_id);

@@ -67,8 +67,9 @@ class ControlPlane {
   std::string handle(const std::string& line, const Caller& caller);
 
   // Serves the control socket at `path` (with `access`: only its owner by default) on a
-  // thread of its own, with a thread per client. A client beyond `max_clients` at once, or one no thread can be started for,
-  // gets one JSON-RPC error line (reason "internal") and is closed; the daemon goes on.
+  // thread of its own, with a thread per client. A client beyond `max_clients` at once, or one no
+  // thread can be started for, gets one JSON-RPC error line (reason "internal") and is closed; the
+  // daemon goes on.
   std::error_code listen(const std::string& path, size_t max_clients,
                          target::SocketAccess access = {0600, std::nullopt});
   void stop();

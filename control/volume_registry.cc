@@ -19,21 +19,26 @@ ApiError store_error(const lvm::StoreError& e) {
 
 }  // namespace
 
-std::shared_ptr<std::mutex> VolumeRegistry::lock(const std::string& volume_id) {
-  std::lock_guard table(locks_mutex_);
-  std::weak_ptr<std::mutex>& entry = locks_[volume_id];
-  if (auto m = entry.lock()) return m;
-  // Every holder and waiter shares one mutex; the last one out removes the entry.
-  auto m = std::shared_ptr<std::mutex>(new std::mutex, [this, volume_id](std::mutex* last) {
-    {
-      std::lock_guard inner(locks_mutex_);
-      auto it = locks_.find(volume_id);
-      if (it != locks_.end() && it->second.expired()) locks_.erase(it);
+VolumeLock VolumeRegistry::lock(const std::string& volume_id) {
+  std::shared_ptr<std::mutex> m;
+  {
+    std::lock_guard table(locks_mutex_);
+    std::weak_ptr<std::mutex>& entry = locks_[volume_id];
+    m = entry.lock();
+    if (!m) {
+      // Every holder and waiter shares one mutex; the last one out removes the entry.
+      m = std::shared_ptr<std::mutex>(new std::mutex, [this, volume_id](std::mutex* last) {
+        {
+          std::lock_guard inner(locks_mutex_);
+          auto it = locks_.find(volume_id);
+          if (it != locks_.end() && it->second.expired()) locks_.erase(it);
+        }
+        delete last;
+      });
+      entry = m;
     }
-    delete last;
-  });
-  entry = m;
-  return m;
+  }
+  return VolumeLock(std::move(m));  // waits outside the table's lock
 }
 
 size_t VolumeRegistry::lock_count() const {

@@ -16,13 +16,24 @@
 
 namespace shareblk::control {
 
+// Held while a call changes one volume or its attachments.
+class VolumeLock {
+ public:
+  explicit VolumeLock(std::shared_ptr<std::mutex> mutex)
+      : mutex_(std::move(mutex)), lock_(*mutex_) {}
+
+ private:
+  std::shared_ptr<std::mutex> mutex_;  // declared first: it outlives the lock
+  std::unique_lock<std::mutex> lock_;
+};
+
 class VolumeRegistry {
  public:
   explicit VolumeRegistry(lvm::VolumeStore& store) : store_(store) {}
 
-  // Held while a call changes the volume or its attachments. The table keeps an entry only
-  // while someone holds or waits for it: ids come from clients, unknown ones included.
-  std::shared_ptr<std::mutex> lock(const std::string& volume_id);
+  // Waits for and takes the volume's lock. The table keeps an entry only while someone holds
+  // or waits for it: ids come from clients, unknown ones included.
+  VolumeLock lock(const std::string& volume_id);
   size_t lock_count() const;  // for tests
 
   // Throw ApiError.

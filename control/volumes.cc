@@ -41,8 +41,7 @@ Json Service::volume_show(const std::string& id) {
 }
 
 Json Service::volume_delete(const std::string& id) {
-  auto lock_holder = volumes_.lock(id);
-  std::lock_guard lock(*lock_holder);
+  const VolumeLock lock = volumes_.lock(id);
   {
     Database::Transaction tx(db_);
     find_volume(tx, id);
@@ -63,8 +62,7 @@ Json Service::volume_delete(const std::string& id) {
 }
 
 Json Service::volume_extend(const std::string& id, uint64_t size) {
-  auto lock_holder = volumes_.lock(id);
-  std::lock_guard lock(*lock_holder);
+  const VolumeLock lock = volumes_.lock(id);
   VolumeRow v;
   {
     Database::Transaction tx(db_);
@@ -84,8 +82,7 @@ Json Service::volume_extend(const std::string& id, uint64_t size) {
 }
 
 Json Service::volume_update(const VolumeChange& change) {
-  auto lock_holder = volumes_.lock(change.id);
-  std::lock_guard lock(*lock_holder);
+  const VolumeLock lock = volumes_.lock(change.id);
   Database::Transaction tx(db_);
   VolumeRow v = find_volume(tx, change.id);
   const Json& p = *change.params;
