@@ -71,7 +71,7 @@ size_t ExportRegistry::subscriber_count() const {
   return subscribers_.size();
 }
 
-void ExportRegistry::notify_revoked(const std::string& attachment_id) {
+size_t ExportRegistry::notify_revoked(const std::string& attachment_id) {
   std::vector<std::shared_ptr<Subscriber>> targets;
   {
     std::lock_guard lock(subscribers_mutex_);
@@ -86,12 +86,19 @@ void ExportRegistry::notify_revoked(const std::string& attachment_id) {
                                           {"params", {{"attachment_id", attachment_id}}}}
                                .dump();
   for (const auto& s : targets) s->notify(line);
+  return targets.size();
 }
 
 bool ExportRegistry::revoke(const std::string& attachment_id) {
-  notify_revoked(attachment_id);
+  const size_t told = notify_revoked(attachment_id);
+  const size_t closed = connections(attachment_id);
   if (server_ != nullptr) server_->close_group(attachment_id);
-  return unmount(attachment_id);
+  const bool lazy = unmount(attachment_id);
+  spdlog::info(
+      "control: revoked attachment {}: {} nbdkit connection(s) told, {} NBD "
+      "connection(s) closed",
+      attachment_id, told, closed);
+  return lazy;
 }
 
 }  // namespace shareblk::control

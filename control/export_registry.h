@@ -45,7 +45,7 @@ class ExportRegistry {
   bool revoke(const std::string& attachment_id);
 
  private:
-  void notify_revoked(const std::string& attachment_id);
+  size_t notify_revoked(const std::string& attachment_id);  // how many were told
 
   target::Server* server_ = nullptr;
   std::mutex mounts_mutex_;

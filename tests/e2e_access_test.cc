@@ -95,6 +95,16 @@ TEST_F(AccessTest, AnAttachmentIsServedOnlyOnItsConnectorsTransport) {
   for (const Json* a : {&on_unix, &on_tcp}) {
     EXPECT_EQ(log.find(name_of(*a)), std::string::npos) << "an export name was logged";
   }
+
+  // Revocation is logged too, with what it cut.
+  int err = 0;
+  st::NbdHandle held = st::nbd_connect(uri_of(on_unix), &err);
+  ASSERT_TRUE(held) << err;
+  st::rpc_ok(control(), "attachment_delete", {{"attachment_id", on_unix["id"]}});
+  EXPECT_NE(daemon_->log().find("revoked attachment " + on_unix["id"].get<std::string>() +
+                                ": 0 nbdkit connection(s) told, 1 NBD connection(s) closed"),
+            std::string::npos)
+      << daemon_->log();
 }
 
 TEST_F(AccessTest, AConnectorUidIsCheckedAndOnlyForUnix) {
