@@ -11,6 +11,7 @@
 #include <cerrno>
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
@@ -54,13 +55,18 @@ bool parse_export(const std::string& text, ExportSpec& spec, std::string& error)
 }
 
 // Blocks every signal we handle so that worker threads never see them; the main thread
-// waits for one with sigwait.
+// waits for them with sigwait. SIGINT and SIGTERM stop the daemon cleanly; SIGHUP, SIGUSR1
+// and SIGUSR2, which an operator may send by mistake (or to another daemon's pid), are
+// logged and change nothing; SIGPIPE is ignored (a client that goes away is an error on its
+// socket, not a signal).
 sigset_t block_signals() {
   sigset_t set;
   sigemptyset(&set);
   sigaddset(&set, SIGINT);
   sigaddset(&set, SIGTERM);
   sigaddset(&set, SIGHUP);
+  sigaddset(&set, SIGUSR1);
+  sigaddset(&set, SIGUSR2);
   pthread_sigmask(SIG_BLOCK, &set, nullptr);
   signal(SIGPIPE, SIG_IGN);
   return set;
@@ -281,7 +287,9 @@ int run(int argc, char** argv) {
   }
 
   int sig = 0;
-  sigwait(&signals, &sig);
+  while (sigwait(&signals, &sig) == 0 && sig != SIGINT && sig != SIGTERM) {
+    spdlog::info("signal {} ({}): ignored; SIGTERM or SIGINT stops shareblkd", sig, strsignal(sig));
+  }
   spdlog::info("signal {}: stopping", sig);
   if (plane) plane->stop();
   server.stop();
