@@ -6,14 +6,9 @@ namespace shareblk::control {
 
 namespace {
 
-std::string volume_name(const std::string& name) {
-  if (name.size() > kMaxVolumeName) invalid("name is longer than 255 bytes");
-  return name;
-}
-
 Json volume_create(Service& s, const Json& p, const Caller&) {
   VolumeSpec spec;
-  spec.name = volume_name(need_string(p, "name"));
+  spec.name = need_string(p, "name", kMaxVolumeName);
   spec.size = need_size(p, "size");
   spec.multiattach = opt_bool(p, "multiattach").value_or(false);
   spec.bootable = opt_bool(p, "bootable").value_or(false);

@@ -16,20 +16,35 @@ void only_keys(const Json& p, std::span<const std::string_view> keys) {
   }
 }
 
-std::string need_string(const Json& p, const char* key) {
+namespace {
+
+const std::string& checked_text(const Json& value, const char* key, size_t max_bytes) {
+  const auto& text = value.get_ref<const std::string&>();
+  if (text.size() > max_bytes) {
+    invalid(std::string("'") + key + "' is longer than " + std::to_string(max_bytes) + " bytes");
+  }
+  if (text.find('\0') != std::string::npos) {
+    invalid(std::string("'") + key + "' must not contain a NUL character");
+  }
+  return text;
+}
+
+}  // namespace
+
+std::string need_string(const Json& p, const char* key, size_t max_bytes) {
   auto it = p.find(key);
   if (it == p.end()) invalid(std::string("missing parameter '") + key + "'");
   if (!it->is_string() || it->get_ref<const std::string&>().empty()) {
     invalid(std::string("'") + key + "' must be a non-empty string");
   }
-  return it->get<std::string>();
+  return checked_text(*it, key, max_bytes);
 }
 
-std::optional<std::string> opt_string(const Json& p, const char* key) {
+std::optional<std::string> opt_string(const Json& p, const char* key, size_t max_bytes) {
   auto it = p.find(key);
   if (it == p.end() || it->is_null()) return std::nullopt;
   if (!it->is_string()) invalid(std::string("'") + key + "' must be a string");
-  return it->get<std::string>();
+  return checked_text(*it, key, max_bytes);
 }
 
 std::optional<bool> opt_bool(const Json& p, const char* key) {
@@ -96,7 +111,7 @@ Connector decode_connector(const Json& connector) {
   c.host = need_string(connector, "host");
   c.transport = opt_string(connector, "transport").value_or("tcp");
   if (c.transport == "fuse") {
-    c.mountpoint = need_string(connector, "mountpoint");
+    c.mountpoint = need_string(connector, "mountpoint", kMaxPath);
     if (c.mountpoint.front() != '/') invalid("mountpoint must be an absolute path");
   } else if (c.transport != "tcp" && c.transport != "unix") {
     invalid("connector transport must be \"tcp\", \"unix\" or \"fuse\"");
@@ -108,6 +123,9 @@ Connector decode_connector(const Json& connector) {
     if (c.transport != "unix") invalid("connector uid binds a \"unix\" transport only");
     c.uid = static_cast<uint32_t>(it->get<uint64_t>());
   }
+  // Cinder's connector properties that shareblk stores and does not use: of their type.
+  for (const char* key : {"initiator", "platform", "os_type"}) opt_string(connector, key);
+  opt_bool(connector, "multipath");
   c.ip = opt_string(connector, "ip");
   if (c.ip) {
     unsigned char buf[16];

@@ -18,13 +18,17 @@ using Json = nlohmann::json;
 
 // A volume's name is 1 to this many bytes.
 inline constexpr size_t kMaxVolumeName = 255;
+// Any other string a caller gives is at most this many bytes (a mountpoint: PATH_MAX), and
+// none may hold a NUL: SQLite's text and C's strings would end it there.
+inline constexpr size_t kMaxText = 255;
+inline constexpr size_t kMaxPath = 4096;
 
 // Refuses any key of `p` not in `keys`.
 void only_keys(const Json& p, std::span<const std::string_view> keys);
-// A non-empty string.
-std::string need_string(const Json& p, const char* key);
-// Absent or null: nullopt.
-std::optional<std::string> opt_string(const Json& p, const char* key);
+// A non-empty string of at most `max_bytes`, without NUL.
+std::string need_string(const Json& p, const char* key, size_t max_bytes = kMaxText);
+// Absent or null: nullopt. Otherwise a string of at most `max_bytes`, without NUL.
+std::optional<std::string> opt_string(const Json& p, const char* key, size_t max_bytes = kMaxText);
 std::optional<bool> opt_bool(const Json& p, const char* key);
 // "rw" (the default when absent) or "ro".
 backend::AttachMode opt_mode(const Json& p, const char* key);

@@ -730,6 +730,46 @@ TEST_F(ControlPlaneTest, NotificationsGetNoReply) {
   EXPECT_EQ(response["result"].size(), 1u);
 }
 
+// Strings from callers are bounded, NUL-free and of their documented type, connector fields
+// included (docs/api.md): a name "a\u0000b" was stored as "a", and a 70 KB instance_uuid,
+// an integer initiator or a string multipath were accepted.
+TEST_F(ControlPlaneTest, CallerStringsAreBoundedNulFreeAndTyped) {
+  EXPECT_EQ(reason("volume_create", {{"name", std::string("a\0b", 3)}, {"size", "1M"}}),
+            "invalid_params");
+  EXPECT_EQ(reason("volume_create", {{"name", std::string(256, 'n')}, {"size", "1M"}}),
+            "invalid_params");
+  ok("volume_create", {{"name", std::string(255, 'n')}, {"size", "1M"}});
+  const std::string id = create_volume("1M", /*multiattach=*/true)["id"];
+  EXPECT_EQ(reason("attachment_create",
+                   {{"volume_id", id}, {"instance_uuid", std::string(70 * 1024, 'u')}}),
+            "invalid_params");
+  EXPECT_EQ(reason("attachment_create", {{"volume_id", id},
+                                         {"instance_uuid", "i"},
+                                         {"attached_host", std::string("h\0x", 3)}}),
+            "invalid_params");
+  for (const Json& bad :
+       {Json{{"host", "h"}, {"transport", "unix"}, {"initiator", 5}},
+        Json{{"host", "h"}, {"transport", "unix"}, {"platform", Json::array()}},
+        Json{{"host", "h"}, {"transport", "unix"}, {"os_type", std::string(256, 'o')}},
+        Json{{"host", "h"}, {"transport", "unix"}, {"multipath", "yes"}},
+        Json{{"host", std::string(256, 'h')}, {"transport", "unix"}},
+        Json{{"host", "h"}, {"transport", "fuse"}, {"mountpoint", "/" + std::string(4096, 'm')}}}) {
+    EXPECT_EQ(reason("attachment_create",
+                     {{"volume_id", id}, {"instance_uuid", "i"}, {"connector", bad}}),
+              "invalid_params")
+        << bad.dump().substr(0, 120);
+  }
+  Json a = attach(id, "i",
+                  {{"connector",
+                    {{"host", "h"},
+                     {"transport", "unix"},
+                     {"initiator", "iqn.2026-11.org.example:h"},
+                     {"platform", "x86_64"},
+                     {"os_type", "linux"},
+                     {"multipath", false}}}});
+  EXPECT_EQ(a["connector"]["multipath"], false);
+}
+
 // Only a valid request without "id" is a notification: an invalid one is answered with
 // -32600 and "id": null (JSON-RPC 2.0, sections 4.1 and 5), alone or in a batch.
 TEST_F(ControlPlaneTest, InvalidRequestsWithoutAnIdAreAnswered) {
