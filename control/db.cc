@@ -84,7 +84,9 @@ class Statement {
   void check(int rc) {
     if (rc != SQLITE_OK) fail();
   }
-  [[noreturn]] void fail() { throw DbError(std::string("sqlite: ") + sqlite3_errmsg(db_)); }
+  [[noreturn]] void fail() {
+    throw DbError(std::string("sqlite: ") + sqlite3_errmsg(db_), sqlite3_errcode(db_) & 0xff);
+  }
   sqlite3* db_;
   sqlite3_stmt* stmt_ = nullptr;
 };
@@ -230,10 +232,10 @@ Database::~Database() {
 
 void Database::exec(const char* sql) {
   char* message = nullptr;
-  if (sqlite3_exec(db_, sql, nullptr, nullptr, &message) != SQLITE_OK) {
+  if (int rc = sqlite3_exec(db_, sql, nullptr, nullptr, &message); rc != SQLITE_OK) {
     std::string text = message ? message : "unknown error";
     sqlite3_free(message);
-    throw DbError("sqlite: " + text);
+    throw DbError("sqlite: " + text, rc & 0xff);
   }
 }
 

@@ -45,7 +45,11 @@ struct AttachmentRow {
 };
 
 struct DbError : std::runtime_error {
-  using std::runtime_error::runtime_error;
+  explicit DbError(const std::string& message, int sqlite_code = 0)
+      : std::runtime_error(message), code(sqlite_code) {}
+  // SQLite's primary result code, 0 when the error is not SQLite's. SQLITE_FULL: the disk.
+  int code;
+  bool disk_full() const { return code == SQLITE_FULL; }
 };
 
 // The schema this build writes. Version 0 is the unversioned schema of 0.1.0.

@@ -65,6 +65,13 @@ Json handle_one(const Json& request, Service& service, const Caller& caller) {
     spdlog::info("control: uid={} pid={} {}: {} ({})", caller.uid, caller.pid, method, e.reason,
                  e.what());
     return respond(error_response(id, code_for(e.reason), e.reason, e.what()));
+  } catch (const DbError& e) {
+    // The state directory's file system is full: the caller can act on that (free space),
+    // unlike on any other database failure.
+    const std::string reason = e.disk_full() ? "no_space" : "internal";
+    spdlog::error("control: uid={} pid={} {}: {}: {}", caller.uid, caller.pid, method, reason,
+                  e.what());
+    return respond(error_response(id, code_for(reason), reason, e.what()));
   } catch (const std::exception& e) {
     spdlog::error("control: uid={} pid={} {}: internal error: {}", caller.uid, caller.pid, method,
                   e.what());

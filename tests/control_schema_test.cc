@@ -212,4 +212,33 @@ TEST_F(StateDatabaseTest, StoreFailuresHaveTheirReasonsAndLeaveNoRow) {
   EXPECT_TRUE(store_.volumes().empty());
 }
 
+// A full state directory is the caller's to fix, so it says no_space, not internal.
+TEST_F(StateDatabaseTest, AFullStateDirectoryIsNoSpace) {
+  SHAREBLK_REQUIRE(shareblk::testing::is_root(), "needs root to mount a small tmpfs");
+  const std::string mnt = dir_ / "small";
+  fs::create_directory(mnt);
+  ASSERT_EQ(shareblk::testing::run({"mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", mnt}).status,
+            0);
+  {
+    ControlPlane plane(mnt + "/shareblk.db", store_, {});
+    plane.bind(nullptr, {"/run/x/nbd.sock", "127.0.0.1:10809"});
+    ASSERT_TRUE(call(plane, "volume_create", {{"name", "v"}, {"size", "1M"}}).contains("result"));
+    {  // fill the file system
+      std::ofstream filler(mnt + "/filler", std::ios::binary);
+      const std::string block(64 * 1024, 'x');
+      while (filler.write(block.data(), block.size())) {
+      }
+    }
+    Json full;
+    for (int i = 0; i < 200 && !full.contains("error"); ++i) {  // until the WAL needs a page
+      full = call(plane, "volume_create", {{"name", std::string(200, 'v')}, {"size", "1M"}});
+    }
+    EXPECT_EQ(full["error"]["data"]["reason"], "no_space") << full;
+    fs::remove(mnt + "/filler");
+    EXPECT_TRUE(
+        call(plane, "volume_create", {{"name", "after"}, {"size", "1M"}}).contains("result"));
+  }
+  EXPECT_EQ(shareblk::testing::run({"umount", mnt}).status, 0);
+}
+
 }  // namespace
