@@ -176,9 +176,13 @@ Json Service::attachment_complete(const std::string& id) {
   return out;
 }
 
-// Marks the attachment detaching (its export name is refused from then on), revokes it
-// (ExportRegistry::revoke: NBD connections closed once their requests in flight are
-// answered), then marks it detached. The caller holds the volume lock.
+// Revocation never waits for the disk: the attachment is revoked in memory first (its export
+// refused, nbdkit told, its NBD connections closed once their requests in flight are
+// answered, its FUSE mount gone), and only then recorded detached. Before the revocation, its
+// id goes into the revocation journal, which needs no new disk space, so that a start after a
+// crash, or after a database that could not record it, detaches it before serving anything.
+// Without a journal, the database's "detaching" plays that part, as far as it can be written.
+// The caller holds the volume lock.
 Json Service::detach(const std::string& volume_id, const std::string& attachment_id) {
   VolumeRow v;
   AttachmentRow a;
@@ -186,19 +190,40 @@ Json Service::detach(const std::string& volume_id, const std::string& attachment
     Database::Transaction tx(db_);
     a = find_attachment(tx, attachment_id);
     v = find_volume(tx, volume_id);
-    const AttachStatus next = transition(a.id, a.attach_status, AttachEvent::Detach);
-    if (next == AttachStatus::Detached) return attachment_json(a, v);  // nothing left to do
-    a.attach_status = next;
-    tx.update_attachment(a);
-    tx.commit();
+  }
+  a.attach_status = transition(a.id, a.attach_status, AttachEvent::Detach);
+  if (a.attach_status == AttachStatus::Detached) return attachment_json(a, v);  // done before
+  const bool journaled = journal_.record(a.id);
+  if (!journaled) {
+    try {
+      Database::Transaction tx(db_);
+      tx.update_attachment(a);  // detaching
+      tx.commit();
+    } catch (const DbError& e) {
+      spdlog::error("control: attachment {}: cannot record the detach before revoking: {}", a.id,
+                    e.what());
+    }
   }
   const bool lazy = exports_.revoke(a.id);
-  Database::Transaction tx(db_);
   a.attach_status = transition(a.id, a.attach_status, AttachEvent::Finish);
   a.detach_time = now_iso();
-  tx.update_attachment(a);
-  Json out = attachment_json(a, v);
-  tx.commit();
+  Json out;
+  try {
+    Database::Transaction tx(db_);
+    tx.update_attachment(a);
+    out = attachment_json(a, v);
+    tx.commit();
+  } catch (const DbError& e) {
+    throw ApiError(e.disk_full() ? "no_space" : "internal",
+                   "attachment " + a.id +
+                       " is revoked (no connection reaches it, its export is refused) but the "
+                       "database could not record it detached: " +
+                       e.what() +
+                       (journaled ? "; it will be detached at the next start"
+                                  : "; it stays revoked until the daemon stops"));
+  }
+  journal_.clear(a.id);
+  exports_.forget_revoked(a.id);
   if (lazy) out["unmounted_lazily"] = true;
   spdlog::info("control: attachment {} of volume {} detached", a.id, volume_id);
   return out;

@@ -89,7 +89,23 @@ size_t ExportRegistry::notify_revoked(const std::string& attachment_id) {
   return targets.size();
 }
 
+void ExportRegistry::mark_revoked(const std::string& attachment_id) {
+  std::lock_guard lock(revoked_mutex_);
+  revoked_.insert(attachment_id);
+}
+
+void ExportRegistry::forget_revoked(const std::string& attachment_id) {
+  std::lock_guard lock(revoked_mutex_);
+  revoked_.erase(attachment_id);
+}
+
+bool ExportRegistry::is_revoked(const std::string& attachment_id) const {
+  std::lock_guard lock(revoked_mutex_);
+  return revoked_.count(attachment_id) != 0;
+}
+
 bool ExportRegistry::revoke(const std::string& attachment_id) {
+  mark_revoked(attachment_id);
   const size_t told = notify_revoked(attachment_id);
   const size_t closed = connections(attachment_id);
   if (server_ != nullptr) server_->close_group(attachment_id);

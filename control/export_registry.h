@@ -9,6 +9,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <string>
 
 #include "backend/backend.h"
@@ -42,7 +43,14 @@ class ExportRegistry {
   // refuse it from their next request; not waited for), then its NBD connections are closed
   // once their requests in flight are answered, then its FUSE mount goes. Returns whether the
   // mount was detached lazily.
+  // From the first step on, is_revoked() says so: the catalog refuses the export at once,
+  // before anything reaches the database.
   bool revoke(const std::string& attachment_id);
+  // Revoked in this run, or found unfinished in the journal at start (mark_revoked()).
+  bool is_revoked(const std::string& attachment_id) const;
+  void mark_revoked(const std::string& attachment_id);
+  // Once the database says it is detached, the catalog refuses it from there.
+  void forget_revoked(const std::string& attachment_id);
 
  private:
   size_t notify_revoked(const std::string& attachment_id);  // how many were told
@@ -53,6 +61,8 @@ class ExportRegistry {
   mutable std::mutex subscribers_mutex_;
   std::multimap<std::string, std::weak_ptr<Subscriber>> subscribers_;
   size_t max_subscribers_ = SIZE_MAX;
+  mutable std::mutex revoked_mutex_;
+  std::set<std::string> revoked_;
 };
 
 }  // namespace shareblk::control

@@ -59,6 +59,7 @@ std::string now_iso() {
 Service::Service(const std::string& db_path, lvm::VolumeStore& store, Policy policy)
     : db_(db_path),
       volumes_(store),
+      journal_((std::filesystem::path(db_path).parent_path() / "revocations").string()),
       policy_(policy),
       state_dir_(comparable_path(std::filesystem::absolute(db_path).parent_path())) {
   reconcile();
@@ -100,9 +101,28 @@ void Service::remount(const AttachmentRow& a, const VolumeRow& v) {
   spdlog::info("control: attachment {} mounted again at {}", a.id, mountpoint);
 }
 
-// At start-up: no connection survives a restart, so a detach that was under way is done; and
+// At start-up, before anything is served: no connection survives a restart, so a detach that
+// was under way is done, whether the database or only the revocation journal knew of it; and
 // the store and the database are compared.
 void Service::reconcile() {
+  for (const std::string& id : journal_.pending()) {
+    try {
+      Database::Transaction tx(db_);
+      if (auto a = tx.attachment(id); a && a->attach_status != AttachStatus::Detached) {
+        a->attach_status = transition(a->id, a->attach_status, AttachEvent::Detach);
+        a->attach_status = transition(a->id, a->attach_status, AttachEvent::Finish);
+        a->detach_time = now_iso();
+        tx.update_attachment(*a);
+        tx.commit();
+        spdlog::info("control: attachment {} was revoked before the stop; now detached", id);
+      }
+      journal_.clear(id);
+    } catch (const std::exception& e) {
+      exports_.mark_revoked(id);  // refused all the same, until a start can record it
+      spdlog::error("control: attachment {} stays revoked but cannot be recorded detached: {}", id,
+                    e.what());
+    }
+  }
   Database::Transaction tx(db_);
   std::vector<std::pair<std::string, std::string>> known;
   for (AttachmentRow a : tx.attachments()) {
@@ -142,7 +162,7 @@ Json Service::export_resolve(const std::string& name, const Caller& caller) {
   {
     Database::Transaction tx(db_);
     auto found = tx.attachment_by_export(name);
-    if (!found || !is_serving(found->attach_status)) {
+    if (!found || !is_serving(found->attach_status) || exports_.is_revoked(found->id)) {
       throw ApiError("not_found", "no live export of that name");
     }
     a = *found;
@@ -159,7 +179,7 @@ Json Service::export_resolve(const std::string& name, const Caller& caller) {
     // A detach that began before we subscribed has already sent its notices: look again.
     Database::Transaction tx(db_);
     auto now = tx.attachment(a.id);
-    if (!now || !is_serving(now->attach_status)) {
+    if (!now || !is_serving(now->attach_status) || exports_.is_revoked(a.id)) {
       throw ApiError("not_found", "no live export of that name");
     }
   }
@@ -180,7 +200,7 @@ target::ExportCatalog::Lookup Service::resolve(const std::string& export_name,
   {
     Database::Transaction tx(db_);
     auto found = tx.attachment_by_export(export_name);
-    if (!found || !is_serving(found->attach_status)) {
+    if (!found || !is_serving(found->attach_status) || exports_.is_revoked(found->id)) {
       refused_unknown_.fetch_add(1, std::memory_order_relaxed);
       spdlog::info("nbd: refused {}: no live export of that name", describe(peer));
       return {std::nullopt, Refusal::Unknown};

@@ -20,6 +20,7 @@
 #include "control/db.h"
 #include "control/export_registry.h"
 #include "control/params.h"
+#include "control/revocation_journal.h"
 #include "control/volume_registry.h"
 
 namespace shareblk::control {
@@ -111,6 +112,7 @@ class Service {
   Database db_;
   VolumeRegistry volumes_;
   ExportRegistry exports_;
+  RevocationJournal journal_;  // STATE_DIR/revocations
   Policy policy_;
   Endpoints endpoints_;
   // The database's directory: the daemon's state directory (--state-dir), where no FUSE
