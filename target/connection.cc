@@ -251,8 +251,10 @@ void Connection::parse() {
 bool Connection::begin_request(const nbd::Request& h) {
   if (h.magic != kRequestMagic) {
     // Nothing after a bad header can be trusted: the spec's only answer is to disconnect.
-    spdlog::warn("nbd: bad request magic {:#x} from client of {}, disconnecting", h.magic,
-                 session_.export_name.substr(0, 8));
+    // Named by its group (the attachment id): an attachment's export name is a credential,
+    // and no part of it goes into a log.
+    spdlog::warn("nbd: bad request magic {:#x} from a client of {}, disconnecting", h.magic,
+                 group());
     abort();
     return false;
   }

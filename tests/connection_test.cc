@@ -15,6 +15,9 @@
 #include <thread>
 #include <vector>
 
+#include <spdlog/sinks/base_sink.h>
+#include <spdlog/spdlog.h>
+
 #include "backend/backend.h"
 #include "target/nbd_proto.h"
 #include "target/worker.h"
@@ -127,6 +130,47 @@ bool close_group_mid_payload(WorkerOnAFile& w, int client, uint32_t total, size_
 // dispatched it. The worker runs the abort first and then the receive that completes the
 // payload, in one batch of completions; AddressSanitizer saw the handler use the freed
 // connection.
+// Keeps every log line, for tests of what the target logs.
+class CapturedLog : public spdlog::sinks::base_sink<std::mutex> {
+ public:
+  std::string text() {
+    std::lock_guard lock(mutex_);
+    return text_;
+  }
+
+ protected:
+  void sink_it_(const spdlog::details::log_msg& msg) override {
+    text_.append(msg.payload.begin(), msg.payload.end()).append("\n");
+  }
+  void flush_() override {}
+
+ private:
+  std::string text_;
+};
+
+// An attachment's export name admits clients: no part of it may reach a log, the bad-magic
+// warning's included (it printed the name's first 8 characters).
+TEST(ConnectionTest, ABadMagicIsLoggedByGroupNotByExportName) {
+  auto sink = std::make_shared<CapturedLog>();
+  auto previous = spdlog::default_logger();
+  spdlog::set_default_logger(std::make_shared<spdlog::logger>("test", sink));
+  WorkerOnAFile w(1 << 20);
+  ASSERT_TRUE(w.started());
+  const int client = w.connect(backend::AttachMode::ReadWrite);  // export "volume", group "group"
+  ASSERT_GE(client, 0);
+  uint8_t header[nbd::kRequestSize];
+  nbd::encode_request(header, nbd::Request{0xdeadbeef, 0, nbd::kCmdRead, 1, 0, 512});
+  ASSERT_TRUE(send_all(client, header, sizeof header));
+  EXPECT_TRUE(w.registry().wait(1, 5s)) << "the connection did not close";
+  w.worker().stop();
+  ::close(client);
+  spdlog::set_default_logger(previous);
+  const std::string log = sink->text();
+  EXPECT_NE(log.find("bad request magic 0xdeadbeef from a client of group"), std::string::npos)
+      << log;
+  EXPECT_EQ(log.find("volume"), std::string::npos) << log;
+}
+
 TEST(ConnectionTest, AbortBeforeTheLastPayloadBytesArrive) {
   WorkerOnAFile w(1 << 20);
   ASSERT_TRUE(w.started());
