@@ -131,8 +131,8 @@ Json Service::attachment_create(const AttachmentSpec& spec) {
     exports_.unmount(a.id);  // never a mount the database does not know of
     throw;
   }
-  spdlog::info("control: attachment {} of volume {} for {} ({}, {})", a.id, v.id, a.instance_uuid,
-               to_string(a.mode), to_string(a.attach_status));
+  spdlog::info("control: attachment {} of volume {} for {} ({}, {})", a.id, v.id,
+               printable(a.instance_uuid), to_string(a.mode), to_string(a.attach_status));
   return attachment_json(a, v);
 }
 

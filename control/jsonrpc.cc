@@ -59,22 +59,22 @@ Json handle_one(const Json& request, Service& service, const Caller& caller) {
   try {
     only_keys(params, found->params);
     Json result = found->run(service, params, caller);
-    spdlog::info("control: uid={} pid={} {}: ok", caller.uid, caller.pid, method);
+    spdlog::info("control: uid={} pid={} {}: ok", caller.uid, caller.pid, printable(method));
     return respond(Json{{"jsonrpc", "2.0"}, {"id", id}, {"result", std::move(result)}});
   } catch (const ApiError& e) {
-    spdlog::info("control: uid={} pid={} {}: {} ({})", caller.uid, caller.pid, method, e.reason,
-                 e.what());
+    spdlog::info("control: uid={} pid={} {}: {} ({})", caller.uid, caller.pid, printable(method),
+                 e.reason, printable(e.what(), 1024));  // messages quote the caller's strings
     return respond(error_response(id, code_for(e.reason), e.reason, e.what()));
   } catch (const DbError& e) {
     // The state directory's file system is full: the caller can act on that (free space),
     // unlike on any other database failure.
     const std::string reason = e.disk_full() ? "no_space" : "internal";
-    spdlog::error("control: uid={} pid={} {}: {}: {}", caller.uid, caller.pid, method, reason,
-                  e.what());
+    spdlog::error("control: uid={} pid={} {}: {}: {}", caller.uid, caller.pid, printable(method),
+                  reason, printable(e.what(), 1024));
     return respond(error_response(id, code_for(reason), reason, e.what()));
   } catch (const std::exception& e) {
-    spdlog::error("control: uid={} pid={} {}: internal error: {}", caller.uid, caller.pid, method,
-                  e.what());
+    spdlog::error("control: uid={} pid={} {}: internal error: {}", caller.uid, caller.pid,
+                  printable(method), printable(e.what(), 1024));
     return respond(error_response(id, code_for("internal"), "internal", e.what()));
   }
 }

@@ -16,7 +16,7 @@ Json Service::volume_create(const VolumeSpec& spec) {
     tx.insert_volume(v);
     Json out = volume_json(tx, v);
     tx.commit();
-    spdlog::info("control: created volume {} ({}, {} bytes)", v.id, v.name, v.size);
+    spdlog::info("control: created volume {} ({}, {} bytes)", v.id, printable(v.name), v.size);
     return out;
   } catch (...) {
     try {

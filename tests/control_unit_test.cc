@@ -18,6 +18,7 @@
 #include "control/control.h"
 #include "control/db.h"
 #include "control/methods.h"
+#include "control/params.h"
 #include "control/service.h"
 #include "lvm/volume_store.h"
 #include "tests/support.h"
@@ -768,6 +769,17 @@ TEST_F(ControlPlaneTest, CallerStringsAreBoundedNulFreeAndTyped) {
                      {"os_type", "linux"},
                      {"multipath", false}}}});
   EXPECT_EQ(a["connector"]["multipath"], false);
+}
+
+// A caller's string cannot forge a log line: control characters are escaped, in names and in
+// the messages that quote them.
+TEST(Printable, EscapesWhatCouldForgeALogLine) {
+  using shareblk::control::printable;
+  EXPECT_EQ(printable("vol-1"), "vol-1");
+  EXPECT_EQ(printable("a\n[info] forged"), "a\\n[info] forged");
+  EXPECT_EQ(printable(std::string("a\0b\x1b[31m\\", 9)), "a\\x00b\\x1b[31m\\\\");
+  EXPECT_EQ(printable("\xc3\xa9"), "\\xc3\\xa9");
+  EXPECT_EQ(printable(std::string(300, 'x'), 256), std::string(256, 'x') + "...");
 }
 
 // Only a valid request without "id" is a notification: an invalid one is answered with
