@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstring>
@@ -27,6 +28,28 @@ namespace {
 // A control socket line may not be longer than this; a longer one is answered with a parse
 // error and skipped.
 constexpr size_t kMaxLine = 1 << 20;
+// Reply bytes held at once for all clients, while they are sent (a client that does not read
+// holds its reply until it does, or goes). Past it a reply is replaced by a short error.
+constexpr size_t kMaxReplyMemory = 256 << 20;
+
+// A share of kMaxReplyMemory, held while one reply is sent.
+class ReplyShare {
+ public:
+  ReplyShare(std::atomic<size_t>& held, size_t bytes) : held_(held), bytes_(bytes) {
+    if (held_.fetch_add(bytes_) + bytes_ > kMaxReplyMemory) {
+      held_.fetch_sub(bytes_);
+      bytes_ = 0;
+    }
+  }
+  ~ReplyShare() { held_.fetch_sub(bytes_); }
+  ReplyShare(const ReplyShare&) = delete;
+  ReplyShare& operator=(const ReplyShare&) = delete;
+  bool granted() const { return bytes_ != 0; }
+
+ private:
+  std::atomic<size_t>& held_;
+  size_t bytes_;
+};
 
 class Catalog final : public target::ExportCatalog {
  public:
@@ -67,6 +90,7 @@ struct ControlPlane::Impl {
   std::condition_variable idle;
   std::unordered_set<int> clients;
   bool stopping = false;
+  std::atomic<size_t> reply_bytes{0};  // see ReplyShare
 };
 
 ControlPlane::ControlPlane(const std::string& db_path, lvm::VolumeStore& store, Policy policy)
@@ -157,7 +181,7 @@ class ClientConnection final : public Subscriber {
   // A reply waits for the client to take it, however long that is.
   void send_line(const std::string& line) {
     std::lock_guard lock(mutex_);
-    send_all(line + "\n", 0);
+    if (send_all(line, 0)) send_all("\n", 0);  // no copy of a large reply for its newline
   }
 
   // A notice goes out from inside another client's call, which holds a volume's lock: it must
@@ -220,7 +244,14 @@ void ControlPlane::Impl::serve_client(int fd) {
       }
       if (line.find_first_not_of(" \t\r") == std::string::npos) continue;  // blank line
       std::string reply = handle_line(line, service, caller);
-      if (!reply.empty()) connection->send_line(reply);
+      if (reply.empty()) continue;
+      ReplyShare share(reply_bytes, reply.size());
+      if (!share.granted()) {
+        reply = error_line(code_for("internal"), "internal",
+                           "the control plane holds as many replies as it may for clients that "
+                           "have not taken them; try again");
+      }
+      connection->send_line(reply);
     }
     buffer.erase(0, start);
     if (skipping) {

@@ -2,6 +2,7 @@
 
 #include <spdlog/spdlog.h>
 
+#include <optional>
 #include <utility>
 
 #include "control/methods.h"
@@ -79,6 +80,57 @@ Json handle_one(const Json& request, Service& service, const Caller& caller) {
   }
 }
 
+// The id a response to `request` would carry: nullopt for a notification, null when the
+// request's id is unusable.
+std::optional<Json> reply_id(const Json& request) {
+  if (!request.is_object()) return Json(nullptr);
+  auto it = request.find("id");
+  if (it == request.end()) return std::nullopt;
+  return (it->is_string() || it->is_number()) ? *it : Json(nullptr);
+}
+
+std::string too_large(const Json& id, size_t bytes) {
+  return error_response(id, code_for("internal"), "internal",
+                        "the reply (" + std::to_string(bytes) + " bytes) is over the " +
+                            std::to_string(kMaxReplyLine) +
+                            " bytes a reply line may hold; ask for less")
+      .dump();
+}
+
+std::string handle_batch(const Json& batch, Service& service, const Caller& caller) {
+  if (batch.empty()) return error_line(kInvalidRequest, "invalid_params", "empty batch");
+  if (batch.size() > kMaxBatch) {
+    return error_line(kInvalidRequest, "invalid_params",
+                      "a batch of " + std::to_string(batch.size()) + " requests; at most " +
+                          std::to_string(kMaxBatch));
+  }
+  std::string out = "[";
+  size_t answered = 0;
+  bool full = false;  // the reply reached kMaxReplyLine: the rest is not run
+  for (const Json& one : batch) {
+    std::string text;
+    if (full) {
+      auto id = reply_id(one);
+      if (!id) continue;
+      text = error_response(*id, code_for("internal"), "internal",
+                            "not run: the batch's reply reached its limit")
+                 .dump();
+    } else {
+      Json response = handle_one(one, service, caller);
+      if (response.is_null()) continue;
+      text = response.dump();
+      if (out.size() + text.size() + 1 > kMaxReplyLine) {
+        text = too_large(response["id"], text.size());
+        full = true;
+      }
+    }
+    if (answered++ > 0) out += ',';
+    out += text;
+  }
+  out += ']';
+  return answered > 0 ? out : std::string();
+}
+
 }  // namespace
 
 int code_for(const std::string& reason) {
@@ -117,17 +169,11 @@ std::string handle_line(const std::string& line, Service& service, const Caller&
                       "nested deeper than " + std::to_string(kMaxDepth) + " levels");
   }
   if (request.is_discarded()) return error_line(kParseError, "invalid_params", "not valid JSON");
-  if (request.is_array()) {  // a batch
-    if (request.empty()) return error_line(kInvalidRequest, "invalid_params", "empty batch");
-    Json responses = Json::array();
-    for (const Json& one : request) {
-      Json response = handle_one(one, service, caller);
-      if (!response.is_null()) responses.push_back(std::move(response));
-    }
-    return responses.empty() ? std::string() : responses.dump();
-  }
+  if (request.is_array()) return handle_batch(request, service, caller);
   Json response = handle_one(request, service, caller);
-  return response.is_null() ? std::string() : response.dump();
+  if (response.is_null()) return {};
+  std::string text = response.dump();
+  return text.size() > kMaxReplyLine ? too_large(response["id"], text.size()) : text;
 }
 
 }  // namespace shareblk::control

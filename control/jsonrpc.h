@@ -14,6 +14,11 @@ inline constexpr int kParseError = -32700;
 inline constexpr int kInvalidRequest = -32600;
 inline constexpr int kMethodNotFound = -32601;
 
+// A batch holds at most this many requests; a reply line at most this many bytes (a batch's
+// reply: plus one short error for each request past it, which is then not run).
+inline constexpr size_t kMaxBatch = 256;
+inline constexpr size_t kMaxReplyLine = 16 << 20;
+
 // The error code of an API reason.
 int code_for(const std::string& reason);
 
