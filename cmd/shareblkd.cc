@@ -137,6 +137,11 @@ int run(int argc, char** argv) {
     ("max-connections", po::value<unsigned>()->default_value(1024), "connections at most")
     ("handshake-timeout-ms", po::value<unsigned>()->default_value(ms(defaults.handshake_timeout)),
      "milliseconds a client has for its whole handshake")
+    ("max-handshakes", po::value<unsigned>()->default_value(defaults.max_handshakes),
+     "connections in their handshake at most (fewer than --max-connections)")
+    ("max-handshakes-per-peer",
+     po::value<unsigned>()->default_value(defaults.max_handshakes_per_peer),
+     "connections in their handshake at most from one TCP address or one local uid")
     ("send-timeout-ms", po::value<unsigned>()->default_value(ms(defaults.send_timeout)),
      "milliseconds a client may take none of its replies before it is cut off (0 = never)")
     ("peer-timeout-ms", po::value<unsigned>()->default_value(ms(defaults.peer_timeout)),
@@ -177,6 +182,12 @@ int run(int argc, char** argv) {
   options.workers = vm["workers"].as<unsigned>();
   options.max_connections = vm["max-connections"].as<unsigned>();
   options.payload_memory = vm["payload-memory-mib"].as<uint64_t>() << 20;
+  options.max_handshakes = vm["max-handshakes"].as<unsigned>();
+  options.max_handshakes_per_peer = vm["max-handshakes-per-peer"].as<unsigned>();
+  if (options.max_handshakes == 0 || options.max_handshakes_per_peer == 0) {
+    std::cerr << "shareblkd: --max-handshakes and --max-handshakes-per-peer must be at least 1\n";
+    return 2;
+  }
   options.handshake_timeout = std::chrono::milliseconds(vm["handshake-timeout-ms"].as<unsigned>());
   if (options.handshake_timeout.count() == 0) {
     std::cerr << "shareblkd: --handshake-timeout-ms must be at least 1\n";

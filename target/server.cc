@@ -26,6 +26,7 @@
 #include <unordered_map>
 #include <unordered_set>
 
+#include "target/rate_limited_log.h"
 #include "target/target.h"
 #include "target/worker.h"
 
@@ -192,6 +193,14 @@ Peer peer_of(int fd, bool tcp) {
   return peer;
 }
 
+// What the per-peer handshake limit counts by: the client's address over TCP, its uid over a
+// Unix socket ("" when unknown: all such clients count as one).
+std::string peer_key(int fd, bool tcp) {
+  Peer peer = peer_of(fd, tcp);
+  if (tcp) return "tcp " + peer.address;
+  return peer.uid ? "uid " + std::to_string(*peer.uid) : std::string("unix");
+}
+
 }  // namespace
 
 std::error_code listen_unix(const std::string& path, const SocketAccess& access, int& out) {
@@ -250,11 +259,13 @@ struct Server::Impl final : ConnectionRegistry {
   size_t open_connections = 0;  // handshaking + transmitting, for max_connections
   size_t handshakes = 0;
   std::unordered_set<int> handshake_fds;
+  std::unordered_map<std::string, size_t> handshakes_by_peer;  // see peer_key()
+  RateLimitedLog refusals;
   std::unordered_map<std::string, size_t> live;  // group -> transmitting connections
   std::unordered_set<std::string> closed_groups;
 
   void accept_loop(Listener& listener);
-  void handshake(int fd, bool tcp);
+  void handshake(int fd, bool tcp, const std::string& key);
   void connection_closed(const std::string& group) override {
     std::lock_guard lock(mutex);
     auto it = live.find(group);
@@ -276,30 +287,44 @@ void Server::Impl::accept_loop(Listener& listener) {
       }
       return;  // the listener was shut down
     }
+    const std::string key = peer_key(fd, listener.tcp);
     std::unique_lock lock(mutex);
-    if (stopping || open_connections >= options.max_connections) {
+    const char* refusal = nullptr;
+    if (stopping) {
+      refusal = "shutting down";
+    } else if (open_connections >= options.max_connections) {
+      refusal = "too many connections (--max-connections)";
+    } else if (handshakes >= options.max_handshakes) {
+      refusal = "too many connections in their handshake (--max-handshakes)";
+    } else if (handshakes_by_peer[key] >= options.max_handshakes_per_peer) {
+      refusal = "too many handshakes from one peer (--max-handshakes-per-peer)";
+    }
+    if (refusal != nullptr) {
+      if (handshakes_by_peer[key] == 0) handshakes_by_peer.erase(key);
       lock.unlock();
-      spdlog::warn("nbd: refusing connection: {}", stopping ? "shutting down" : "too many");
+      refusals.warn(refusal, key);
       ::close(fd);
       continue;
     }
     // Started under the lock, which the handshake takes only at its end: the connection is
     // counted before that, and only once its thread exists.
     try {
-      std::thread([this, fd, tcp = listener.tcp] { handshake(fd, tcp); }).detach();
+      std::thread([this, fd, tcp = listener.tcp, key] { handshake(fd, tcp, key); }).detach();
     } catch (const std::system_error& e) {  // out of threads (pids limit, memory)
+      if (handshakes_by_peer[key] == 0) handshakes_by_peer.erase(key);
       lock.unlock();
-      spdlog::warn("nbd: refusing connection: cannot start its handshake: {}", e.what());
+      refusals.warn("cannot start its handshake", e.what());
       ::close(fd);
       continue;
     }
+    ++handshakes_by_peer[key];
     ++open_connections;
     ++handshakes;
     handshake_fds.insert(fd);
   }
 }
 
-void Server::Impl::handshake(int fd, bool tcp) {
+void Server::Impl::handshake(int fd, bool tcp, const std::string& key) {
   if (tcp) {
     int one = 1;
     ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
@@ -312,6 +337,9 @@ void Server::Impl::handshake(int fd, bool tcp) {
   std::lock_guard lock(mutex);
   handshake_fds.erase(fd);
   --handshakes;
+  if (auto it = handshakes_by_peer.find(key); it != handshakes_by_peer.end() && --it->second == 0) {
+    handshakes_by_peer.erase(it);
+  }
   // Checked under the lock that close_group() takes: an attachment deleted while this client
   // negotiated never gets a live connection.
   if (!session || stopping || closed_groups.count(session->exp.group) != 0) {

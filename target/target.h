@@ -88,7 +88,12 @@ struct ServerOptions {
   std::vector<std::string> listen_tcp;   // HOST:PORT; port 0 picks a free one
   unsigned workers = 0;                  // io_uring threads; 0 = one per CPU
   unsigned max_connections = 1024;       // beyond this, new connections are closed at once
-  std::chrono::milliseconds handshake_timeout{30000};
+  // Connections still in their handshake, at most, and at most per peer (a TCP address, or a
+  // Unix uid): clients that connect and never negotiate cannot hold every place, and one host
+  // cannot hold every handshake. Past either, a new connection is closed at once.
+  unsigned max_handshakes = 128;
+  unsigned max_handshakes_per_peer = 16;
+  std::chrono::milliseconds handshake_timeout{10000};
   // Request payload bytes all connections may hold at once, shared out among the workers;
   // 0 = a quarter of the machine's memory. Past it, connections wait before reading more.
   uint64_t payload_memory = 0;

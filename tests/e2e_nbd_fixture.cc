@@ -344,11 +344,20 @@ void E2eTest::SetUp() {
   disk_ = dir_ / "disk.img";
   socket_ = dir_ / "nbd.sock";
   make_file(disk_, kDiskSize);
-  daemon_ = std::make_unique<Daemon>(
-      std::vector<std::string>{"--export", "disk=" + disk_, "--export", "ro=" + disk_ + ",ro",
-                               "--listen-unix", socket_, "--listen-tcp", "127.0.0.1:0", "--workers",
-                               "2"},
-      socket_);
+  start_daemon();
+}
+
+void E2eTest::start_daemon(const std::vector<std::string>& extra) {
+  if (daemon_ && !stopped_) {
+    EXPECT_EQ(daemon_->stop(SIGTERM), 0);
+  }
+  daemon_.reset();
+  stopped_ = false;
+  std::vector<std::string> args{
+      "--export", "disk=" + disk_, "--export",    "ro=" + disk_ + ",ro", "--listen-unix",
+      socket_,    "--listen-tcp",  "127.0.0.1:0", "--workers",           "2"};
+  args.insert(args.end(), extra.begin(), extra.end());
+  daemon_ = std::make_unique<Daemon>(args, socket_);
 }
 
 void E2eTest::stop_daemon() {

@@ -167,6 +167,8 @@ class E2eTest : public ::testing::Test {
   // Stops the daemon and requires a clean exit. Tests call it early to look at the backing file
   // once no connection can still be changing it.
   void stop_daemon();
+  // (Re)starts the daemon on the fixture's exports and sockets, with `extra` options.
+  void start_daemon(const std::vector<std::string>& extra = {});
 
   // The port the daemon picked for 127.0.0.1:0, from its log; 0 when it never said.
   int tcp_port() const { return logged_tcp_port(*daemon_, "127.0.0.1"); }

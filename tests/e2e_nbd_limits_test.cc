@@ -71,6 +71,9 @@ TEST_F(E2eTest, ClientsVanishingMidwayDoNotDisturbOthers) {
 }
 
 TEST_F(E2eTest, ThreeHundredConnectionsAtOnce) {
+  // 250 handshakes from one local user at once: past the defaults (128, 16 per peer), which
+  // HandshakeLimits tests; here the server's capacity is the point.
+  start_daemon({"--max-handshakes", "300", "--max-handshakes-per-peer", "300"});
   Nbd before = open_nbd(socket_, "disk");
   ASSERT_TRUE(before);
   // Idle in the handshake at three different points...
