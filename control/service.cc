@@ -2,15 +2,14 @@
 // attachments.cc, the JSON views in views.cc.
 #include "control/service.h"
 
-#include "control/admission.h"
-
 #include <spdlog/spdlog.h>
 #include <sys/random.h>
 
 #include <chrono>
 #include <cstdio>
-#include <cstring>
 #include <ctime>
+
+#include "control/admission.h"
 
 namespace shareblk::control {
 
