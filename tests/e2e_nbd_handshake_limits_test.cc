@@ -11,11 +11,11 @@
 #include <unistd.h>
 
 #include <chrono>
-#include <regex>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "tests/e2e_nbd_fixture.h"
 #include "tests/nbd_client.h"
 #include "tests/support.h"
 
@@ -51,11 +51,9 @@ TEST(HandshakeLimits, HalfOpenSocketsFromOnePeerLeaveOthersServed) {
                      "127.0.0.1:0", "--workers", "1", "--max-connections", "64", "--max-handshakes",
                      "8", "--max-handshakes-per-peer", "4", "--handshake-timeout-ms", "30000"},
                     sock);
-  std::smatch m;
-  const std::string started = daemon.log();
-  ASSERT_TRUE(std::regex_search(started, m, std::regex("listening on tcp:127\\.0\\.0\\.1:(\\d+)")))
-      << started;
-  const int port = std::stoi(m[1]);
+  // Polls the log: the socket that says the daemon is up exists before this line is written.
+  const int port = st::e2e::logged_tcp_port(daemon, "127.0.0.1");
+  ASSERT_GT(port, 0) << daemon.log();
   const std::string uri = "nbd+unix:///disk?socket=" + sock;
   int err = 0;
   st::NbdHandle established = st::nbd_connect(uri, &err);
