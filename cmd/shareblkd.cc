@@ -127,6 +127,12 @@ int run(int argc, char** argv) {
      "group of the control socket, a name or a number (default: the daemon's)")
     ("nbd-allow-root", po::bool_switch(),
      "a unix attachment whose connector binds a uid admits root too")
+    ("tls", po::value<std::string>()->default_value("off"),
+     "TLS on the NBD listeners: off, on (TLS-only attachments need it) or require (all do)")
+    ("tls-x509-dir", po::value<std::string>(),
+     "x509 credentials: DIR/ca-cert.pem, server-cert.pem, server-key.pem[, ca-crl.pem]")
+    ("tls-psk-file", po::value<std::string>(),
+     "standalone mode: TLS-PSK keys (keys.psk lines identity:hexkey, as psktool writes)")
     ("export", po::value<std::vector<std::string>>()->composing(),
      "standalone mode: serve PATH as export NAME: NAME=PATH[,ro] (repeatable)")
     ("listen-unix", po::value<std::vector<std::string>>()->composing(),
@@ -200,6 +206,27 @@ int run(int argc, char** argv) {
     std::cerr << "shareblkd: " << access_error << "\n";
     return 2;
   }
+  const std::string tls_mode = vm["tls"].as<std::string>();
+  if (tls_mode == "on") {
+    options.tls.mode = target::TlsOptions::Mode::On;
+  } else if (tls_mode == "require") {
+    options.tls.mode = target::TlsOptions::Mode::Require;
+  } else if (tls_mode != "off") {
+    std::cerr << "shareblkd: --tls must be off, on or require\n";
+    return 2;
+  }
+  if (vm.count("tls-x509-dir")) options.tls.x509_dir = vm["tls-x509-dir"].as<std::string>();
+  if (vm.count("tls-psk-file")) options.tls.psk_file = vm["tls-psk-file"].as<std::string>();
+  if (options.tls.mode == target::TlsOptions::Mode::Off &&
+      (!options.tls.x509_dir.empty() || !options.tls.psk_file.empty())) {
+    std::cerr << "shareblkd: --tls-x509-dir and --tls-psk-file need --tls on or require\n";
+    return 2;
+  }
+  if (!options.tls.psk_file.empty() && !vm.count("export")) {
+    std::cerr << "shareblkd: --tls-psk-file is for standalone --export mode; attachments have "
+                 "keys of their own\n";
+    return 2;
+  }
   options.send_timeout = std::chrono::milliseconds(vm["send-timeout-ms"].as<unsigned>());
   options.peer_timeout = std::chrono::milliseconds(vm["peer-timeout-ms"].as<unsigned>());
   sigset_t signals = block_signals();
@@ -266,6 +293,8 @@ int run(int argc, char** argv) {
     policy.allow_multiattach = vm["allow_multiattach"].as<bool>();
     policy.allow_multiattach_bootable = vm["allow_multiattach_bootable"].as<bool>();
     policy.nbd_allow_root = vm["nbd-allow-root"].as<bool>();
+    policy.tls = options.tls.mode;
+    policy.tls_x509 = !options.tls.x509_dir.empty();
     try {
       plane =
           std::make_unique<control::ControlPlane>((state / "shareblk.db").string(), *store, policy);

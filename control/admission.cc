@@ -29,7 +29,18 @@ bool same_address(const std::string& a, const std::string& b) {
 
 }  // namespace
 
-Admission admit(const nlohmann::json& connector, const target::Peer& peer, const Policy& policy) {
+bool tls_only(const nlohmann::json& connector, const Policy& policy) {
+  if (connector.value("transport", "tcp") == "fuse") return false;
+  return policy.tls == target::TlsOptions::Mode::Require || connector.value("tls", false) ||
+         connector.contains("tls_dn");
+}
+
+bool has_psk(const nlohmann::json& connector, const Policy& policy) {
+  return tls_only(connector, policy) && !connector.contains("tls_dn");
+}
+
+Admission admit(const nlohmann::json& connector, const std::string& attachment_id,
+                const target::Peer& peer, const Policy& policy) {
   using Transport = target::Peer::Transport;
   const bool tcp = peer.transport == Transport::Tcp;
   if (connector.value("transport", "tcp") != (tcp ? "tcp" : "unix")) {
@@ -48,12 +59,30 @@ Admission admit(const nlohmann::json& connector, const target::Peer& peer, const
                       static_cast<uint64_t>(uid.get<int64_t>()) == *peer.uid;
     if (!same && !root_allowed) return Admission::WrongUser;
   }
+  if (!peer.tls) return tls_only(connector, policy) ? Admission::TlsRequired : Admission::Admitted;
+  // A PSK proves one attachment, whatever name the client then asks for.
+  if (!peer.tls->psk_identity.empty() && peer.tls->psk_identity != attachment_id) {
+    return Admission::WrongTlsIdentity;
+  }
+  if (auto dn = connector.find("tls_dn"); dn != connector.end()) {
+    if (!dn->is_string() || peer.tls->x509_dn.empty() ||
+        dn->get<std::string>() != peer.tls->x509_dn) {
+      return Admission::WrongTlsIdentity;
+    }
+  }
   return Admission::Admitted;
 }
 
 target::ExportCatalog::Refusal refusal_of(Admission admission) {
-  return admission == Admission::WrongAddress ? target::ExportCatalog::Refusal::Policy
-                                              : target::ExportCatalog::Refusal::Unknown;
+  using Refusal = target::ExportCatalog::Refusal;
+  switch (admission) {
+    case Admission::WrongAddress:
+      return Refusal::Policy;
+    case Admission::TlsRequired:
+      return Refusal::TlsRequired;
+    default:
+      return Refusal::Unknown;
+  }
 }
 
 const char* to_string(Admission admission) {
@@ -66,6 +95,10 @@ const char* to_string(Admission admission) {
       return "not from the connector's ip";
     case Admission::WrongUser:
       return "not the connector's uid";
+    case Admission::TlsRequired:
+      return "TLS-only, asked for without TLS";
+    case Admission::WrongTlsIdentity:
+      return "not the TLS identity (PSK or certificate DN) it is bound to";
   }
   return "refused";
 }

@@ -78,6 +78,12 @@ void Service::connect(Database::Transaction& tx, AttachmentRow& a, const VolumeR
   if (connector.transport == "unix" && endpoints_.unix_socket.empty()) {
     invalid("this daemon has no Unix socket listener");
   }
+  if (connector.tls && policy_.tls == target::TlsOptions::Mode::Off) {
+    invalid("connector tls needs TLS on the daemon (shareblkd --tls on or require)");
+  }
+  if (connector.tls_dn && !policy_.tls_x509) {
+    invalid("connector tls_dn needs x509 credentials on the daemon (shareblkd --tls-x509-dir)");
+  }
   if (connector.transport == "fuse") refuse_taken_mountpoint(tx, a, connector.mountpoint);
   const AttachStatus next = transition(a.id, a.attach_status, AttachEvent::Connect);
   exports_.unmount(a.id);

@@ -59,6 +59,14 @@ class Catalog final : public target::ExportCatalog {
       return {};
     }
   }
+  std::optional<std::string> psk_key(const std::string& identity) override {
+    try {
+      return service_.psk_key(identity);
+    } catch (const std::exception& e) {
+      spdlog::error("control: looking up a TLS-PSK identity failed: {}", e.what());
+      return std::nullopt;
+    }
+  }
   // Attachment export names are capabilities: NBD_OPT_LIST shows none of them.
   std::vector<std::string> listable() override { return {}; }
 

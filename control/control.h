@@ -25,6 +25,11 @@ struct Policy {
   bool allow_multiattach_bootable = true;  // may a bootable volume have several attachments
   // May root reach a unix attachment whose connector binds another uid (--nbd-allow-root).
   bool nbd_allow_root = false;
+  // TLS on the NBD listeners (shareblkd --tls). With On, attachments whose connector asks
+  // ("tls", "tls_dn") are TLS-only; with Require, all are. A TLS-only attachment without a DN
+  // binding has a PSK of its own (docs/api.md, "Connector" and "connection_info").
+  target::TlsOptions::Mode tls = target::TlsOptions::Mode::Off;
+  bool tls_x509 = false;  // --tls-x509-dir given: connectors may bind a client certificate's DN
 };
 
 // Where NBD clients reach this daemon; connection_info URIs are built from it.

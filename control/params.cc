@@ -123,9 +123,9 @@ uint64_t need_size(const Json& p, const char* key) {
 
 Connector decode_connector(const Json& connector) {
   if (!connector.is_object()) invalid("connector must be an object");
-  static constexpr std::string_view kConnectorKeys[] = {"host",      "ip",         "transport",
-                                                        "initiator", "platform",   "os_type",
-                                                        "multipath", "mountpoint", "uid"};
+  static constexpr std::string_view kConnectorKeys[] = {
+      "host",      "ip",         "transport", "initiator", "platform", "os_type",
+      "multipath", "mountpoint", "uid",       "tls",       "tls_dn"};
   only_keys(connector, kConnectorKeys);
   Connector c;
   c.host = need_string(connector, "host");
@@ -142,6 +142,17 @@ Connector decode_connector(const Json& connector) {
     }
     if (c.transport != "unix") invalid("connector uid binds a \"unix\" transport only");
     c.uid = static_cast<uint32_t>(it->get<uint64_t>());
+  }
+  c.tls = opt_bool(connector, "tls").value_or(false);
+  // A distinguished name is longer than most strings; RFC 4514 sets no bound, certificates
+  // seldom pass 1 KiB.
+  c.tls_dn = opt_string(connector, "tls_dn", kMaxDn);
+  if (c.tls_dn) {
+    if (c.tls_dn->empty()) invalid("connector tls_dn must not be empty");
+    c.tls = true;
+  }
+  if (c.tls && c.transport == "fuse") {
+    invalid("connector tls and tls_dn are for the \"tcp\" and \"unix\" transports");
   }
   // Cinder's connector properties that shareblk stores and does not use: of their type.
   for (const char* key : {"initiator", "platform", "os_type"}) opt_string(connector, key);

@@ -21,6 +21,7 @@ inline constexpr size_t kMaxVolumeName = 255;
 // Any other string a caller gives is at most this many bytes (a mountpoint: PATH_MAX), and
 // none may hold a NUL: SQLite's text and C's strings would end it there.
 inline constexpr size_t kMaxText = 255;
+inline constexpr size_t kMaxDn = 1024;  // connector tls_dn
 inline constexpr size_t kMaxPath = 4096;
 
 // `text` (a caller's string) as it may go into a log line: control characters and bytes
@@ -51,7 +52,9 @@ struct Connector {
   std::string transport;   // "tcp" (default), "unix" or "fuse"
   std::string mountpoint;  // fuse only: an absolute path
   std::optional<std::string> ip;
-  std::optional<uint32_t> uid;  // unix only: the one local user admitted
+  std::optional<uint32_t> uid;        // unix only: the one local user admitted
+  bool tls = false;                   // tcp/unix: the export is TLS-only, with a PSK of its own
+  std::optional<std::string> tls_dn;  // tcp/unix: only this x509 client DN (implies tls)
   std::string stored;
 };
 Connector decode_connector(const Json& connector);

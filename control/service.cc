@@ -61,6 +61,9 @@ Service::Service(const std::string& db_path, lvm::VolumeStore& store, Policy pol
       journal_((std::filesystem::path(db_path).parent_path() / "revocations").string()),
       policy_(policy),
       state_dir_(comparable_path(std::filesystem::absolute(db_path).parent_path())) {
+  if (policy_.tls != target::TlsOptions::Mode::Off) {
+    psk_ = PskKeys((std::filesystem::path(db_path).parent_path() / "tls-psk.secret").string());
+  }
   reconcile();
 }
 
@@ -207,7 +210,7 @@ target::ExportCatalog::Lookup Service::resolve(const std::string& export_name,
     a = *found;
     size = find_volume(tx, a.volume_id).size;
   }
-  const Admission admission = admit(Json::parse(a.connector), peer, policy_);
+  const Admission admission = admit(Json::parse(a.connector), a.id, peer, policy_);
   if (admission != Admission::Admitted) {
     refused_by_binding_.fetch_add(1, std::memory_order_relaxed);
     spdlog::info("nbd: refused {} the export of attachment {}: {}", describe(peer), a.id,
@@ -216,8 +219,22 @@ target::ExportCatalog::Lookup Service::resolve(const std::string& export_name,
   }
   auto volume = volumes_.open(a.volume_id, size);
   if (!volume) return {std::nullopt, Refusal::Unknown};
-  spdlog::info("nbd: admitted {} to attachment {} ({})", describe(peer), a.id, to_string(a.mode));
+  spdlog::info("nbd: admitted {} to attachment {} ({}{})", describe(peer), a.id, to_string(a.mode),
+               peer.tls ? ", TLS" : "");
   return {target::Export{volume, a.mode, a.id, ""}};
+}
+
+std::optional<std::string> Service::psk_key(const std::string& attachment_id) {
+  if (!psk_.enabled()) return std::nullopt;
+  Database::Transaction tx(db_);
+  auto a = tx.attachment(attachment_id);
+  if (!a || !is_serving(a->attach_status) || exports_.is_revoked(a->id) ||
+      !has_psk(Json::parse(a->connector), policy_)) {
+    spdlog::info("nbd: refused a TLS-PSK identity that is no live TLS attachment");
+    refused_unknown_.fetch_add(1, std::memory_order_relaxed);
+    return std::nullopt;
+  }
+  return psk_.key(a->id);
 }
 
 }  // namespace shareblk::control

@@ -20,6 +20,7 @@
 #include "control/db.h"
 #include "control/export_registry.h"
 #include "control/params.h"
+#include "control/psk_keys.h"
 #include "control/revocation_journal.h"
 #include "control/volume_registry.h"
 
@@ -77,6 +78,8 @@ class Service {
   Json export_resolve(const std::string& export_name, const Caller& caller);
   // For the NBD handshake.
   target::ExportCatalog::Lookup resolve(const std::string& export_name, const target::Peer& peer);
+  // For the TLS handshake: the PSK key of the live TLS-only attachment with this id.
+  std::optional<std::string> psk_key(const std::string& attachment_id);
 
   // Subscribers (nbdkit connections) at most, so that they cannot take every control
   // connection from the operators.
@@ -114,6 +117,7 @@ class Service {
   ExportRegistry exports_;
   RevocationJournal journal_;  // STATE_DIR/revocations
   Policy policy_;
+  PskKeys psk_;  // STATE_DIR/tls-psk.secret, when TLS is on
   Endpoints endpoints_;
   // The database's directory: the daemon's state directory (--state-dir), where no FUSE
   // attachment may be mounted.

@@ -1,4 +1,5 @@
 // What the API shows of volumes and attachments (docs/api.md, "Objects").
+#include "control/admission.h"
 #include "control/service.h"
 
 namespace shareblk::control {
@@ -29,19 +30,25 @@ Json Service::connection_info(const AttachmentRow& a, const VolumeRow& v) {
                   {"shareable", v.multiattach},
                   {"size", v.size}}}};
   }
+  // A TLS-only attachment: nbds URIs, and its PSK (the identity as the URI's user, as libnbd
+  // reads it), the way Cinder hands out CHAP credentials.
+  const bool tls = tls_only(connector, policy_);
+  const bool psk = has_psk(connector, policy_);
+  const std::string user = psk ? a.id + "@" : "";
   std::string uri;
   if (transport == "unix") {
-    uri = "nbd+unix:///" + a.export_name + "?socket=" + endpoints_.unix_socket;
+    uri = (tls ? "nbds+unix://" : "nbd+unix://") + user + "/" + a.export_name +
+          "?socket=" + endpoints_.unix_socket;
   } else {
-    uri = "nbd://" + endpoints_.tcp + "/" + a.export_name;
+    uri = (tls ? "nbds://" : "nbd://") + user + endpoints_.tcp + "/" + a.export_name;
   }
-  return Json{{"driver_volume_type", "nbd"},
-              {"data",
-               {{"export_name", a.export_name},
-                {"uri", uri},
-                {"access_mode", mode},
-                {"shareable", v.multiattach},
-                {"size", v.size}}}};
+  Json data = {{"export_name", a.export_name}, {"uri", uri},     {"access_mode", mode},
+               {"shareable", v.multiattach},   {"size", v.size}, {"tls", tls}};
+  if (psk) {
+    data["tls_psk_identity"] = a.id;
+    data["tls_psk_key"] = PskKeys::hex(psk_.key(a.id));
+  }
+  return Json{{"driver_volume_type", "nbd"}, {"data", data}};
 }
 
 Json Service::attachment_json(const AttachmentRow& a, const VolumeRow& v) {

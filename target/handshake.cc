@@ -48,8 +48,8 @@ class Reader {
 
 class Negotiation {
  public:
-  Negotiation(ByteStream& stream, ExportCatalog& catalog, const Peer& peer)
-      : stream_(stream), catalog_(catalog), peer_(peer) {}
+  Negotiation(ByteStream& stream, ExportCatalog& catalog, Peer peer, TlsUpgrade* tls)
+      : stream_(&stream), catalog_(catalog), peer_(std::move(peer)), tls_(tls) {}
 
   std::optional<Session> run();
 
@@ -61,6 +61,7 @@ class Negotiation {
   Next info_or_go(uint32_t option, const std::vector<uint8_t>& data);
   Next meta_context(uint32_t option, const std::vector<uint8_t>& data);
   Next list(uint32_t option, const std::vector<uint8_t>& data);
+  Next start_tls(uint32_t option, const std::vector<uint8_t>& data);
 
   void reply(uint32_t option, uint32_t type, std::string_view payload = {});
   void error(uint32_t option, uint32_t type, std::string_view message) {
@@ -69,9 +70,10 @@ class Negotiation {
   std::optional<Export> lookup(uint32_t option, const std::string& name);
   bool flush();
 
-  ByteStream& stream_;
+  ByteStream* stream_;  // the TLS session's stream after NBD_OPT_STARTTLS
   ExportCatalog& catalog_;
-  const Peer& peer_;
+  Peer peer_;
+  TlsUpgrade* tls_;
   std::string out_;  // replies are gathered and written before the next read
   bool no_zeroes_ = false;
   Session session_;
@@ -86,7 +88,7 @@ void Negotiation::reply(uint32_t option, uint32_t type, std::string_view payload
 }
 
 bool Negotiation::flush() {
-  bool ok = out_.empty() || stream_.write_all(out_.data(), out_.size());
+  bool ok = out_.empty() || stream_->write_all(out_.data(), out_.size());
   out_.clear();
   return ok;
 }
@@ -96,6 +98,8 @@ std::optional<Export> Negotiation::lookup(uint32_t option, const std::string& na
   if (!found.found) {
     if (found.refusal == ExportCatalog::Refusal::Policy) {
       error(option, kRepErrPolicy, "export not available to this client");
+    } else if (found.refusal == ExportCatalog::Refusal::TlsRequired && !peer_.tls) {
+      error(option, kRepErrTlsReqd, "this export needs TLS: send NBD_OPT_STARTTLS first");
     } else {
       error(option, kRepErrUnknown, "unknown export");
     }
@@ -108,23 +112,23 @@ std::optional<Session> Negotiation::run() {
   put64(greeting, kMagic);
   put64(greeting + 8, kOptMagic);
   put16(greeting + 16, kFlagFixedNewstyle | kFlagNoZeroes);
-  if (!stream_.write_all(greeting, sizeof greeting)) return std::nullopt;
+  if (!stream_->write_all(greeting, sizeof greeting)) return std::nullopt;
 
   uint8_t flags_bytes[4];
-  if (!stream_.read_exact(flags_bytes, 4)) return std::nullopt;
+  if (!stream_->read_exact(flags_bytes, 4)) return std::nullopt;
   const uint32_t client_flags = get32(flags_bytes);
   if (client_flags & ~kClientKnownFlags) return std::nullopt;  // MUST close on unknown flags
   no_zeroes_ = (client_flags & kClientNoZeroes) != 0;
 
   for (int i = 0; i < kMaxOptions; ++i) {
     uint8_t header[kOptionHeaderSize];
-    if (!flush() || !stream_.read_exact(header, sizeof header)) return std::nullopt;
+    if (!flush() || !stream_->read_exact(header, sizeof header)) return std::nullopt;
     if (get64(header) != kOptMagic) return std::nullopt;
     const uint32_t option = get32(header + 8);
     const uint32_t length = get32(header + 12);
     if (length > kMaxOptionLength) return std::nullopt;  // no real option is this large
     std::vector<uint8_t> data(length);
-    if (length > 0 && !stream_.read_exact(data.data(), length)) return std::nullopt;
+    if (length > 0 && !stream_->read_exact(data.data(), length)) return std::nullopt;
     switch (handle(option, data)) {
       case Next::Continue:
         break;
@@ -140,6 +144,14 @@ std::optional<Session> Negotiation::run() {
 }
 
 Negotiation::Next Negotiation::handle(uint32_t option, const std::vector<uint8_t>& data) {
+  // FORCEDTLS (proto.md): nothing but STARTTLS and ABORT before TLS; EXPORT_NAME has no
+  // error reply, so it ends the session.
+  if (tls_ != nullptr && tls_->required() && !peer_.tls && option != kOptStartTls &&
+      option != kOptAbort) {
+    if (option == kOptExportName) return Next::Close;
+    error(option, kRepErrTlsReqd, "this server requires TLS: send NBD_OPT_STARTTLS first");
+    return Next::Continue;
+  }
   switch (option) {
     case kOptExportName:
       return export_name(data);
@@ -149,8 +161,7 @@ Negotiation::Next Negotiation::handle(uint32_t option, const std::vector<uint8_t
     case kOptList:
       return list(option, data);
     case kOptStartTls:
-      error(option, kRepErrUnsup, "TLS is not supported by this server");
-      return Next::Continue;
+      return start_tls(option, data);
     case kOptInfo:
     case kOptGo:
       return info_or_go(option, data);
@@ -186,6 +197,32 @@ Negotiation::Next Negotiation::export_name(const std::vector<uint8_t>& data) {
   put16(reply_bytes + 8, session_.transmission_flags);
   out_.append(reinterpret_cast<const char*>(reply_bytes), no_zeroes_ ? 10 : sizeof reply_bytes);
   return Next::Transmit;
+}
+
+Negotiation::Next Negotiation::start_tls(uint32_t option, const std::vector<uint8_t>& data) {
+  if (tls_ == nullptr) {
+    error(option, kRepErrUnsup, "TLS is not enabled on this server");
+    return Next::Continue;
+  }
+  if (peer_.tls) {
+    error(option, kRepErrInvalid, "TLS is already negotiated");
+    return Next::Continue;
+  }
+  if (!data.empty()) {
+    error(option, kRepErrInvalid, "NBD_OPT_STARTTLS takes no data");
+    return Next::Continue;
+  }
+  reply(option, kRepAck);
+  if (!flush()) return Next::Close;
+  TlsPeer proved;
+  ByteStream* secure = tls_->start(proved);
+  if (secure == nullptr) return Next::Close;
+  stream_ = secure;
+  peer_.tls = std::move(proved);
+  // Nothing negotiated in the clear carries over (proto.md NBD_OPT_STARTTLS).
+  session_ = Session{};
+  context_export_.reset();
+  return Next::Continue;
 }
 
 Negotiation::Next Negotiation::list(uint32_t option, const std::vector<uint8_t>& data) {
@@ -307,8 +344,9 @@ uint16_t transmission_flags(const Export& exp, bool structured_replies) {
   return flags;
 }
 
-std::optional<Session> negotiate(ByteStream& stream, ExportCatalog& catalog, const Peer& peer) {
-  return Negotiation(stream, catalog, peer).run();
+std::optional<Session> negotiate(ByteStream& stream, ExportCatalog& catalog, const Peer& peer,
+                                 TlsUpgrade* tls) {
+  return Negotiation(stream, catalog, peer, tls).run();
 }
 
 }  // namespace shareblk::target

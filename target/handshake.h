@@ -32,12 +32,29 @@ struct Session {
 
 inline constexpr uint32_t kBaseAllocationId = 1;
 
+// What NBD_OPT_STARTTLS upgrades the connection with (proto.md "TLS support").
+class TlsUpgrade {
+ public:
+  // FORCEDTLS: before STARTTLS every option but ABORT gets NBD_REP_ERR_TLS_REQD. Otherwise
+  // SELECTIVETLS: the catalog says which exports need TLS.
+  virtual bool required() const = 0;
+  // Called once NBD_REP_ACK has gone out: the TLS handshake. On success, the stream the rest
+  // of the haggling uses and what the session proved of the client; nullptr ends the
+  // connection (proto.md: a failed TLS handshake MUST terminate the session).
+  virtual ByteStream* start(TlsPeer& proved) = 0;
+
+ protected:
+  ~TlsUpgrade() = default;
+};
+
 // The transmission flags an export gets: only what is true of it (proto.md
 // "Transmission flags"). DF needs structured replies.
 uint16_t transmission_flags(const Export& exp, bool structured_replies);
 
 // Runs the server side of the handshake. Returns the session on NBD_OPT_GO or
 // NBD_OPT_EXPORT_NAME, nothing when the client aborted, disconnected, or broke the protocol.
-std::optional<Session> negotiate(ByteStream& stream, ExportCatalog& catalog, const Peer& peer);
+// Without `tls` the server is NOTLS: NBD_OPT_STARTTLS gets NBD_REP_ERR_UNSUP.
+std::optional<Session> negotiate(ByteStream& stream, ExportCatalog& catalog, const Peer& peer,
+                                 TlsUpgrade* tls = nullptr);
 
 }  // namespace shareblk::target

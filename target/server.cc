@@ -28,6 +28,7 @@
 
 #include "target/rate_limited_log.h"
 #include "target/target.h"
+#include "target/tls.h"
 #include "target/worker.h"
 
 namespace shareblk::target {
@@ -263,6 +264,8 @@ struct Server::Impl final : ConnectionRegistry {
   RateLimitedLog refusals;
   std::unordered_map<std::string, size_t> live;  // group -> transmitting connections
   std::unordered_set<std::string> closed_groups;
+  std::unique_ptr<TlsContext> tls;            // null: NOTLS
+  std::unordered_set<TlsConnection*> relays;  // TLS connections in their transmission phase
 
   void accept_loop(Listener& listener);
   void handshake(int fd, bool tcp, const std::string& key);
@@ -330,26 +333,64 @@ void Server::Impl::handshake(int fd, bool tcp, const std::string& key) {
     ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
     drop_silent_peers_after(fd, options.peer_timeout);
   }
-  SocketStream stream(fd, std::chrono::steady_clock::now() + options.handshake_timeout);
-  std::optional<Session> session = negotiate(stream, *catalog, peer_of(fd, tcp));
-  enlarge_send_buffer(fd);
-
-  std::lock_guard lock(mutex);
-  handshake_fds.erase(fd);
-  --handshakes;
-  if (auto it = handshakes_by_peer.find(key); it != handshakes_by_peer.end() && --it->second == 0) {
-    handshakes_by_peer.erase(it);
+  const auto deadline = std::chrono::steady_clock::now() + options.handshake_timeout;
+  SocketStream stream(fd, deadline);
+  std::unique_ptr<TlsConnection> secure;
+  if (tls) secure = std::make_unique<TlsConnection>(*tls, fd, deadline);
+  const Peer peer = peer_of(fd, tcp);
+  std::optional<Session> session = negotiate(stream, *catalog, peer, secure.get());
+  if (secure && !secure->failure().empty()) {
+    refusals.warn("TLS handshake failed: " + secure->failure(), describe(peer));
   }
-  // Checked under the lock that close_group() takes: an attachment deleted while this client
-  // negotiated never gets a live connection.
-  if (!session || stopping || closed_groups.count(session->exp.group) != 0) {
-    --open_connections;
-    ::close(fd);
-  } else {
+  // A TLS session's worker socket is one end of a socketpair; this thread relays the other.
+  int plain[2] = {-1, -1};
+  if (session && secure && secure->started()) {
+    if (::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, plain) != 0) {
+      spdlog::warn("nbd: no socketpair for a TLS client ({}): {}", describe(peer),
+                   std::strerror(errno));
+      session.reset();
+    } else {
+      spdlog::debug("nbd: {} uses {}", describe(peer), secure->description());
+      enlarge_send_buffer(plain[1]);
+    }
+  }
+  const bool relayed = plain[0] >= 0;
+  enlarge_send_buffer(relayed ? plain[0] : fd);
+
+  {
+    std::lock_guard lock(mutex);
+    handshake_fds.erase(fd);
+    --handshakes;
+    if (auto it = handshakes_by_peer.find(key);
+        it != handshakes_by_peer.end() && --it->second == 0) {
+      handshakes_by_peer.erase(it);
+    }
+    // Checked under the lock that close_group() takes: an attachment deleted while this client
+    // negotiated never gets a live connection.
+    if (!session || stopping || closed_groups.count(session->exp.group) != 0) {
+      --open_connections;
+      if (relayed) {
+        ::close(plain[0]);
+        ::close(plain[1]);
+      }
+      secure.reset();
+      ::close(fd);
+      changed.notify_all();
+      return;
+    }
     ++live[session->exp.group];
     // Posted under the lock, so a close_group() that follows is queued after it.
-    workers[next_worker++ % workers.size()]->adopt(fd, std::move(*session));
+    workers[next_worker++ % workers.size()]->adopt(relayed ? plain[0] : fd, std::move(*session));
+    if (relayed) relays.insert(secure.get());
+    changed.notify_all();
   }
+  if (!relayed) return;
+  secure->relay(plain[1], options.send_timeout);
+  ::close(plain[1]);
+  std::lock_guard lock(mutex);
+  relays.erase(secure.get());
+  secure.reset();
+  ::close(fd);
   changed.notify_all();
 }
 
@@ -410,6 +451,21 @@ std::error_code Server::start(std::string& what) {
     s.tcp_bound.push_back(bound);
     s.listeners.push_back(std::move(l));
   }
+  if (s.options.tls.mode != TlsOptions::Mode::Off) {
+    std::string error;
+    s.tls = TlsContext::create(s.options.tls, s.catalog, error);
+    if (!s.tls) {
+      what = "tls: " + error;
+      return std::make_error_code(std::errc::invalid_argument);
+    }
+    spdlog::info(
+        "nbd: TLS {} ({}); records are encrypted in user space by a relay per connection: {}",
+        s.options.tls.mode == TlsOptions::Mode::Require ? "required" : "offered",
+        s.options.tls.x509_dir.empty() ? "PSK" : "PSK and x509",
+        TlsContext::kernel_tls_available()
+            ? "the kernel offers kTLS, which shareblk does not use yet"
+            : "this kernel offers no kTLS (no \"tls\" upper-layer protocol)");
+  }
   s.running = true;
   for (auto& l : s.listeners) {
     l.thread = std::thread([&s, &l] { s.accept_loop(l); });
@@ -437,6 +493,11 @@ void Server::stop() {
   }
   for (auto& w : s.workers) w->stop();
   s.workers.clear();
+  // The workers closed their side of every relay; a relay still sending to a client that does
+  // not read is cut off.
+  std::unique_lock lock(s.mutex);
+  for (TlsConnection* r : s.relays) r->cut_off();
+  s.changed.wait(lock, [&] { return s.relays.empty(); });
 }
 
 std::vector<std::string> Server::tcp_endpoints() const {

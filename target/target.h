@@ -20,6 +20,12 @@
 
 namespace shareblk::target {
 
+// What a TLS session proved about its client (docs/nbd.md, "TLS").
+struct TlsPeer {
+  std::string psk_identity;  // PSK sessions: the identity whose key the client holds
+  std::string x509_dn;       // x509 sessions: the verified client certificate's subject DN
+};
+
 // Who is connecting, as the listener that accepted it saw it.
 struct Peer {
   enum class Transport : uint8_t { Unix, Tcp };
@@ -28,8 +34,15 @@ struct Peer {
   // Unix: the connecting process's credentials (SO_PEERCRED), when the kernel gave them.
   std::optional<uid_t> uid;
   pid_t pid = 0;
+  // Set once NBD_OPT_STARTTLS succeeded: the options after it are haggled over TLS.
+  std::optional<TlsPeer> tls;
 
-  static Peer tcp(std::string ip) { return Peer{std::move(ip), Transport::Tcp, std::nullopt, 0}; }
+  static Peer tcp(std::string ip) {
+    Peer peer;
+    peer.address = std::move(ip);
+    peer.transport = Transport::Tcp;
+    return peer;
+  }
 };
 
 // The peer for log lines: "tcp 192.0.2.1" or "unix pid 42 uid 1000".
@@ -47,13 +60,21 @@ struct Export {
 class ExportCatalog {
  public:
   virtual ~ExportCatalog() = default;
-  enum class Refusal { Unknown, Policy };
+  // Unknown: NBD_REP_ERR_UNKNOWN, as for a name that does not exist; Policy:
+  // NBD_REP_ERR_POLICY; TlsRequired: the export is TLS-only and the client has not started TLS
+  // (NBD_REP_ERR_TLS_REQD, proto.md "SELECTIVETLS mode").
+  enum class Refusal { Unknown, Policy, TlsRequired };
   struct Lookup {
     std::optional<Export> found;
     Refusal refusal = Refusal::Unknown;  // why, when `found` is empty
   };
   // Called from handshake threads, possibly concurrently.
   virtual Lookup resolve(const std::string& name, const Peer& peer) = 0;
+  // The key (raw bytes) a TLS-PSK client authenticating as `identity` must hold; nothing when
+  // no such identity may start TLS now. Called from handshake threads.
+  virtual std::optional<std::string> psk_key(const std::string& /*identity*/) {
+    return std::nullopt;
+  }
   // The names NBD_OPT_LIST may reveal (none, for attachments: their names are capabilities).
   virtual std::vector<std::string> listable() = 0;
 };
@@ -82,6 +103,20 @@ struct SocketAccess {
 // listeners and the control socket alike.
 std::error_code listen_unix(const std::string& path, const SocketAccess& access, int& fd);
 
+// TLS on the NBD listeners (proto.md "TLS support"; docs/nbd.md, "TLS").
+struct TlsOptions {
+  // Off: NOTLS (NBD_OPT_STARTTLS gets NBD_REP_ERR_UNSUP). On: SELECTIVETLS, exports the
+  // catalog marks TLS-only get NBD_REP_ERR_TLS_REQD before STARTTLS. Require: FORCEDTLS,
+  // every option but STARTTLS and ABORT gets NBD_REP_ERR_TLS_REQD before it.
+  enum class Mode : uint8_t { Off, On, Require };
+  Mode mode = Mode::Off;
+  // QEMU's layout: ca-cert.pem, server-cert.pem, server-key.pem, optional ca-crl.pem. Clients
+  // must then present a certificate the CA signed. Empty: no x509, PSK only.
+  std::string x509_dir;
+  // A GnuTLS keys.psk file (`identity:hexkey` lines): keys besides the catalog's psk_key().
+  std::string psk_file;
+};
+
 struct ServerOptions {
   std::vector<std::string> listen_unix;  // socket paths
   SocketAccess unix_access;              // for every path of listen_unix
@@ -104,6 +139,7 @@ struct ServerOptions {
   // A TCP connection whose peer stays silent this long (no acknowledgement of a reply, no
   // answer to keepalive probes) is dropped; 0 = the kernel's defaults (hours when idle).
   std::chrono::milliseconds peer_timeout{60000};
+  TlsOptions tls;
 };
 
 class Server {
