@@ -2,12 +2,19 @@
 // client sends after the server's greeting; the server's output is checked for framing: the
 // greeting, whole option replies, and at most NBD_OPT_EXPORT_NAME's answer after them. A
 // session that comes out must agree with the export it names.
+//
+// Each input runs three times: without TLS, with TLS offered (SELECTIVETLS; export "ro" is
+// TLS-only) and with TLS required (FORCEDTLS). NBD_OPT_STARTTLS's upgrade is a stand-in that
+// goes on reading the same bytes, so the haggling after it is fuzzed as well; no session may
+// come out of a connection that did not start TLS where TLS was needed.
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <optional>
 #include <string>
+#include <vector>
 
 #include "fuzz/fuzz_volume.h"
 #include "target/handshake.h"
@@ -39,6 +46,39 @@ class InputStream final : public target::ByteStream {
   size_t size_;
   size_t pos_ = 0;
   std::string output_;
+};
+
+// The TLS handshake's stand-in: the same stream goes on, as if it were decrypted.
+class FakeTls final : public target::TlsUpgrade {
+ public:
+  FakeTls(target::ByteStream& stream, bool required) : stream_(stream), required_(required) {}
+  bool required() const override { return required_; }
+  target::ByteStream* start(target::TlsPeer& proved) override {
+    ++started_;
+    proved.psk_identity = "fuzz";
+    return &stream_;
+  }
+  int started() const { return started_; }
+
+ private:
+  target::ByteStream& stream_;
+  bool required_;
+  int started_ = 0;
+};
+
+// The static exports, with "ro" TLS-only when TLS is offered.
+class TlsCatalog final : public target::ExportCatalog {
+ public:
+  TlsCatalog(target::ExportCatalog& inner, bool tls) : inner_(inner), tls_(tls) {}
+  Lookup resolve(const std::string& name, const target::Peer& peer) override {
+    if (tls_ && name == "ro" && !peer.tls) return {std::nullopt, Refusal::TlsRequired};
+    return inner_.resolve(name, peer);
+  }
+  std::vector<std::string> listable() override { return inner_.listable(); }
+
+ private:
+  target::ExportCatalog& inner_;
+  bool tls_;
 };
 
 [[noreturn]] void fail(const char* what) {
@@ -95,10 +135,20 @@ void check_session(const target::Session& s) {
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   using namespace shareblk;  // NOLINT(google-build-using-namespace)
-  fuzz::InputStream stream(data, size);
-  std::optional<target::Session> session =
-      target::negotiate(stream, fuzz::catalog(), target::Peer::tcp("192.0.2.1"));
-  if (session) fuzz::check_session(*session);
-  fuzz::check_output(stream.output(), session);
+  enum class Tls { Off, Offered, Required };
+  for (Tls mode : {Tls::Off, Tls::Offered, Tls::Required}) {
+    fuzz::InputStream stream(data, size);
+    fuzz::FakeTls tls(stream, mode == Tls::Required);
+    fuzz::TlsCatalog exports(fuzz::catalog(), mode != Tls::Off);
+    std::optional<target::Session> session = target::negotiate(
+        stream, exports, target::Peer::tcp("192.0.2.1"), mode == Tls::Off ? nullptr : &tls);
+    if (session) fuzz::check_session(*session);
+    fuzz::check_output(stream.output(), session);
+    if (tls.started() > 1) fuzz::fail("TLS started twice on one connection");
+    if (session && tls.started() == 0 &&
+        (mode == Tls::Required || (mode == Tls::Offered && session->export_name == "ro"))) {
+      fuzz::fail("a TLS-only export was served in the clear");
+    }
+  }
   return 0;
 }

@@ -194,6 +194,23 @@ Peer peer_of(int fd, bool tcp) {
   return peer;
 }
 
+// `text` with control characters and bytes past ASCII as \xNN, at most 256 bytes of it.
+std::string escaped(const std::string& text) {
+  std::string out;
+  for (size_t i = 0; i < text.size() && i < 256; ++i) {
+    const auto c = static_cast<unsigned char>(text[i]);
+    if (c < 0x20 || c >= 0x7f || c == '\\') {
+      static constexpr char kHex[] = "0123456789abcdef";
+      out += "\\x";
+      out += kHex[c >> 4];
+      out += kHex[c & 15];
+    } else {
+      out += static_cast<char>(c);
+    }
+  }
+  return out;
+}
+
 // What the per-peer handshake limit counts by: the client's address over TCP, its uid over a
 // Unix socket ("" when unknown: all such clients count as one).
 std::string peer_key(int fd, bool tcp) {
@@ -233,9 +250,22 @@ std::error_code listen_unix(const std::string& path, const SocketAccess& access,
 }
 
 std::string describe(const Peer& peer) {
-  if (peer.transport == Peer::Transport::Tcp) return "tcp " + peer.address;
-  if (!peer.uid) return "unix (no credentials)";
-  return "unix pid " + std::to_string(peer.pid) + " uid " + std::to_string(*peer.uid);
+  std::string text;
+  if (peer.transport == Peer::Transport::Tcp) {
+    text = "tcp " + peer.address;
+  } else if (!peer.uid) {
+    text = "unix (no credentials)";
+  } else {
+    text = "unix pid " + std::to_string(peer.pid) + " uid " + std::to_string(*peer.uid);
+  }
+  // Who TLS says it is: an identity or a DN is no secret (a key never comes here). Either
+  // may hold any bytes: escaped, so that it cannot forge a log line.
+  if (peer.tls && !peer.tls->psk_identity.empty()) {
+    text += " (TLS PSK identity " + escaped(peer.tls->psk_identity) + ")";
+  } else if (peer.tls) {
+    text += " (TLS certificate " + escaped(peer.tls->x509_dn) + ")";
+  }
+  return text;
 }
 
 struct Server::Impl final : ConnectionRegistry {

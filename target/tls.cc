@@ -327,7 +327,7 @@ ByteStream* TlsConnection::start(TlsPeer& proved) {
     gnutls_datum_t dn{};
     if (count > 0 && gnutls_x509_crt_init(&crt) == 0) {
       if (gnutls_x509_crt_import(crt, &certs[0], GNUTLS_X509_FMT_DER) == 0 &&
-          gnutls_x509_crt_get_dn2(crt, &dn) == 0) {
+          gnutls_x509_crt_get_dn3(crt, &dn, 0) == 0) {
         proved.x509_dn.assign(reinterpret_cast<const char*>(dn.data), dn.size);
         gnutls_free(dn.data);
       }
