@@ -262,7 +262,8 @@ TEST_F(TlsTest, EachAttachmentsPskWorksWithQemuAndLibnbdOverTcpAndUnix) {
     EXPECT_EQ(q.status, 0) << q.output;
     EXPECT_NE(q.output.find("read 8388608/8388608"), std::string::npos) << q.output;
     // python's nbd (Debian's python3-libnbd).
-    if (st::have_program("/usr/bin/python3")) {
+    {  // python3-libnbd is among ./dev's packages
+      ASSERT_EQ(::access("/usr/bin/python3", X_OK), 0);
       const std::string script =
           "import nbd, sys\n"
           "h = nbd.NBD()\n"
@@ -346,6 +347,65 @@ TEST_F(TlsTest, TheClearTextAnotherAttachmentsKeyAndAWrongKeyAreRefused) {
             std::string::npos)
       << log;
   EXPECT_NE(log.find("TLS handshake failed"), std::string::npos) << log;
+}
+
+// Revocation reaches TLS connections too: a detach closes a live one (its relay with it), and
+// the daemon stops cleanly with another still connected and idle.
+TEST_F(TlsTest, ADetachCutsALiveTlsConnectionAndStopDoesNotWaitForIdleOnes) {
+  SHAREBLK_REQUIRE(::access("/usr/bin/python3", X_OK) == 0,
+                   "needs Debian's python3 (python3-libnbd)");
+  start({"--tls", "on"});
+  const std::string volume = create_volume();
+  const Json cut = attach(volume, "i-1", {{"host", "a"}, {"transport", "tcp"}, {"tls", true}});
+  const Json idle = attach(volume, "i-2", {{"host", "b"}, {"transport", "unix"}, {"tls", true}});
+  // Reads every 20 ms for at most 20 s; exits 3 when the server cuts it off.
+  const std::string script =
+      "import nbd, sys, time\n"
+      "h = nbd.NBD()\n"
+      "h.set_uri_allow_local_file(True)\n"
+      "h.connect_uri(sys.argv[1])\n"
+      "open(sys.argv[2], 'w').write('connected')\n"
+      "end = time.time() + 20\n"
+      "try:\n"
+      "    while time.time() < end:\n"
+      "        h.pread(4096, 0)\n"
+      "        time.sleep(0.02)\n"
+      "except nbd.Error:\n"
+      "    sys.exit(3)\n";
+  auto client = [&](const Json& a, const std::string& flag, st::RunResult& out) {
+    const std::string uri =
+        with_query(data_of(a)["uri"], "tls-psk-file=" + psk_dir(a) + "/keys.psk");
+    return std::thread([&out, script, uri, flag] {
+      out = st::run({"/usr/bin/python3", "-c", script, uri, flag});
+    });
+  };
+  auto wait_for = [](const std::string& path) {
+    for (int i = 0; i < 500 && !std::filesystem::exists(path); ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    return std::filesystem::exists(path);
+  };
+  st::RunResult cut_out;
+  st::RunResult idle_out;
+  std::thread cut_client = client(cut, scratch_ / "cut.flag", cut_out);
+  std::thread idle_client = client(idle, scratch_ / "idle.flag", idle_out);
+  ASSERT_TRUE(wait_for(scratch_ / "cut.flag") && wait_for(scratch_ / "idle.flag"));
+  EXPECT_EQ(st::rpc_ok(control(), "attachment_show", {{"attachment_id", cut["id"]}})["connections"],
+            1);
+  const auto began = std::chrono::steady_clock::now();
+  st::rpc_ok(control(), "attachment_delete", {{"attachment_id", cut["id"]}});
+  cut_client.join();
+  EXPECT_EQ(cut_out.status, 3) << cut_out.output;
+  EXPECT_LT(std::chrono::steady_clock::now() - began, std::chrono::seconds(10));
+  // The other one is still served; stopping the daemon ends it without waiting for it.
+  EXPECT_EQ(
+      st::rpc_ok(control(), "attachment_show", {{"attachment_id", idle["id"]}})["connections"], 1);
+  const auto stopping = std::chrono::steady_clock::now();
+  EXPECT_EQ(daemon_->stop(SIGTERM), 0) << daemon_->log();
+  EXPECT_LT(std::chrono::steady_clock::now() - stopping, std::chrono::seconds(10));
+  idle_client.join();
+  EXPECT_EQ(idle_out.status, 3) << idle_out.output;
+  daemon_.reset();
 }
 
 // --tls require (FORCEDTLS): every option before STARTTLS but ABORT gets TLS_REQD, and
