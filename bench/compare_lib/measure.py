@@ -178,7 +178,11 @@ def run_fio(ctx: Context, job: Job, target, transport: str, rnd: int) -> Result:
     res = Result(job.name, transport, name)
     out = ctx.fio_dir / f"{transport}-{job.name}-{name}-r{rnd}.json"
     cmd = fio_command(job, target, ctx.args.runtime, out, ctx)
+    # A target may need fio to run with extra environment (bench/compare-tls: LD_PRELOAD).
+    fio_env = getattr(target, "fio_env", None) if target != "local" else None
     res.fio_cmd = shlex.join(cmd)
+    if fio_env:
+        res.fio_cmd = " ".join(f"{k}={shlex.quote(v)}" for k, v in fio_env.items()) + " " + res.fio_cmd
     if target != "local" and not target.alive():
         res.error = "server is not running"
         return res
@@ -191,7 +195,7 @@ def run_fio(ctx: Context, job: Job, target, transport: str, rnd: int) -> Result:
     # The tmpfs jobs serve a /dev/shm file or RAM: no block device under them.
     disk = disk_stat_path(None if job.tmpfs else ctx.backing)
     disk0 = read_disk_stat(disk)
-    r = run_cmd(cmd, ctx.args.runtime + 90)
+    r = run_cmd(cmd, ctx.args.runtime + 90, **({"env": {**os.environ, **fio_env}} if fio_env else {}))
     disk1 = read_disk_stat(disk)
     if disk0 is not None and disk1 is not None and disk1[0] > disk0[0]:
         wall_ms = (disk1[0] - disk0[0]) * 1000
