@@ -7,6 +7,8 @@
 - `measure`: the backing file, one fio run and what is read around it (CPU, page cache,
   disk), and the idle-connection RSS count.
 - `report`: the markdown report and every rule of comparison (peers, best peer, targets).
+- `tls`: all of bench/compare-tls (shareblkd with and without TLS, qemu-nbd with the same
+  PSK); it uses measure, jobs' catalogue and servers, and nothing above uses it.
 - `context`: the state a run shares (`Context`, `Result`) and the progress log; `procs`:
   processes started and stopped by pid; `nbd`: the handshake-only NBD client.
 

@@ -25,6 +25,10 @@ from .report import Report, closing_notes, machine_header
 from .servers import SERVERS
 
 
+# Where bench/RESULTS.md's TLS section (bench/compare-tls) begins; kept when the file is rewritten.
+TLS_MARKER = "<!-- bench/compare-tls section"
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(
         description="Benchmark shareblkd against nbdkit, qemu-nbd, nbd-server and the local "
@@ -158,7 +162,14 @@ def main() -> int:
     if interrupted:  # never replace a complete report with a partial one
         results_path = workdir / "RESULTS-partial.md"
     results_path.parent.mkdir(parents=True, exist_ok=True)
-    results_path.write_text(report)
+    kept = ""
+    try:  # bench/compare-tls's section (hand-copied from its report) outlives this rewrite
+        old = results_path.read_text()
+        if TLS_MARKER in old:
+            kept = "\n" + old[old.index(TLS_MARKER):]
+    except OSError:
+        pass
+    results_path.write_text(report + kept)
     sys.stdout.write(report)
     log(f"report written to {results_path}")
     if ctx.failures:
