@@ -84,6 +84,8 @@ class TlsConnection final : public TlsUpgrade {
   // Waits until fd_ is ready for `events`, at most until `deadline`; false when it passed.
   bool wait(short events, std::chrono::steady_clock::time_point deadline) const;
   void relay_to_client(int plain_fd);
+  // Sends what push() gathered, waiting for room as push() does.
+  bool send_gathered(const std::string& records);
 
   TlsContext& context_;
   int fd_;
