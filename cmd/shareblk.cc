@@ -8,6 +8,7 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
+#include "control/printable.h"
 #include "rpc/client.h"
 
 namespace po = boost::program_options;
@@ -19,10 +20,27 @@ struct UsageError : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+// JSON for people and scripts alike, in ASCII: control characters and everything past ASCII
+// as \u escapes, so that no string a caller stored can reach the terminal as itself.
+std::string ascii_json(const Json& v, int indent = -1) {
+  return v.dump(indent, ' ', /*ensure_ascii=*/true, Json::error_handler_t::replace);
+}
+
+// A table cell. Strings come from callers (a volume's name, an instance_uuid, a host): escaped
+// by the daemon's log rule (control/printable.h), so that a newline, a tab or an ESC in one
+// cannot forge a row, shift a column or send the terminal a sequence.
 std::string text(const Json& v) {
   if (v.is_null()) return "-";
-  if (v.is_string()) return v.get<std::string>();
-  return v.dump();
+  if (v.is_string()) {
+    const auto& s = v.get_ref<const std::string&>();
+    return shareblk::control::printable(s, s.size());
+  }
+  return ascii_json(v);
+}
+
+// A message from the daemon, which may quote a caller's strings.
+std::string escaped(const std::string& message) {
+  return shareblk::control::printable(message, message.size());
 }
 
 std::string human_size(uint64_t bytes) {
@@ -339,15 +357,15 @@ int run(int argc, char** argv) {
     if (vm["json"].as<bool>()) {
       Json shown{{"code", error.code}, {"message", error.message}};
       if (!error.data.is_null()) shown["data"] = error.data;
-      std::cout << shown.dump(2) << "\n";
+      std::cout << ascii_json(shown, 2) << "\n";
     }
-    std::cerr << "shareblk: " << method << " failed: " << error.reason << ": " << error.message
-              << "\n";
+    std::cerr << "shareblk: " << method << " failed: " << escaped(error.reason) << ": "
+              << escaped(error.message) << "\n";
     return 1;
   }
   const Json& result = outcome.result;
   if (vm["json"].as<bool>()) {
-    std::cout << result.dump(2) << "\n";
+    std::cout << ascii_json(result, 2) << "\n";
     return 0;
   }
   switch (view) {
@@ -362,7 +380,7 @@ int run(int argc, char** argv) {
       print_object(result);
       break;
     case Command::View::Raw:
-      std::cout << result.dump(2) << "\n";
+      std::cout << ascii_json(result, 2) << "\n";
       break;
   }
   return 0;

@@ -26,7 +26,8 @@ int code_for(const std::string& reason);
 std::string error_line(int code, const std::string& reason, const std::string& message);
 
 // Decodes `line`, runs each request through the method table and encodes the responses.
-// Never throws: a failing method is an error response.
+// A response's id is its request's as sent: a number keeps its text (2^64, 1.50, -0), which
+// a parse and a dump would change. Never throws: a failing method is an error response.
 std::string handle_line(const std::string& line, Service& service, const Caller& caller);
 
 }  // namespace shareblk::control

@@ -8,26 +8,6 @@
 
 namespace shareblk::control {
 
-std::string printable(std::string_view text, size_t max_bytes) {
-  std::string out;
-  for (unsigned char c : text.substr(0, max_bytes)) {
-    if (c == '\\') {
-      out += "\\\\";
-    } else if (c == '\n') {
-      out += "\\n";
-    } else if (c >= 0x20 && c < 0x7f) {
-      out += static_cast<char>(c);
-    } else {
-      static const char* kHex = "0123456789abcdef";
-      out += "\\x";
-      out += kHex[c >> 4];
-      out += kHex[c & 15];
-    }
-  }
-  if (text.size() > max_bytes) out += "...";
-  return out;
-}
-
 void only_keys(const Json& p, std::span<const std::string_view> keys) {
   for (const auto& [key, value] : p.items()) {
     bool known = false;

@@ -11,6 +11,7 @@
 #include <string_view>
 
 #include "backend/backend.h"
+#include "control/printable.h"  // printable(): caller strings in log lines
 
 namespace shareblk::control {
 
@@ -23,10 +24,6 @@ inline constexpr size_t kMaxVolumeName = 255;
 inline constexpr size_t kMaxText = 255;
 inline constexpr size_t kMaxDn = 1024;  // connector tls_dn
 inline constexpr size_t kMaxPath = 4096;
-
-// `text` (a caller's string) as it may go into a log line: control characters and bytes
-// past ASCII escaped (\n, \xNN), at most `max_bytes` of it, so a name cannot forge a line.
-std::string printable(std::string_view text, size_t max_bytes = 256);
 
 // Refuses any key of `p` not in `keys`.
 void only_keys(const Json& p, std::span<const std::string_view> keys);

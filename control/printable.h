@@ -1,0 +1,34 @@
+// A caller's string as it may be shown: in the daemon's log lines and in the CLI's tables. One
+// rule for both, header-only so that the CLI needs none of the control plane's libraries.
+#pragma once
+
+#include <cstddef>
+#include <string>
+#include <string_view>
+
+namespace shareblk::control {
+
+// `text` with control characters and bytes past ASCII escaped (\n, \xNN) and the backslash
+// doubled, at most `max_bytes` of it (then "..."), so that a name cannot forge a line, a table
+// row or a terminal sequence. What comes out is printable ASCII, one byte a column.
+inline std::string printable(std::string_view text, size_t max_bytes = 256) {
+  static constexpr char kHex[] = "0123456789abcdef";
+  std::string out;
+  for (unsigned char c : text.substr(0, max_bytes)) {
+    if (c == '\\') {
+      out += "\\\\";
+    } else if (c == '\n') {
+      out += "\\n";
+    } else if (c >= 0x20 && c < 0x7f) {
+      out += static_cast<char>(c);
+    } else {
+      out += "\\x";
+      out += kHex[c >> 4];
+      out += kHex[c & 15];
+    }
+  }
+  if (text.size() > max_bytes) out += "...";
+  return out;
+}
+
+}  // namespace shareblk::control

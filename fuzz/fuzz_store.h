@@ -1,0 +1,84 @@
+// A VolumeStore for the control-plane fuzzer: volumes are entries in a map, and every open()
+// hands out the same small scratch volume, so that no input leaves a file behind and none
+// costs more than a map lookup. Like tests/fake_volume_store.h (which needs the test support
+// library), it fails the next call of a kind with the errno an input asks for.
+#pragma once
+
+#include <cerrno>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <system_error>
+#include <vector>
+
+#include "fuzz/fuzz_volume.h"
+#include "lvm/volume_store.h"
+
+namespace shareblk::fuzz {
+
+class FuzzStore final : public lvm::VolumeStore {
+ public:
+  enum class Call { Create, Extend, Remove, Open, Refresh, List };
+
+  std::string kind() const override { return "fuzz"; }
+
+  lvm::StoreError create(const std::string& id, uint64_t size) override {
+    if (auto e = take(Call::Create)) return e;
+    if (sizes_.count(id) != 0) return error(EEXIST, "volume exists");
+    sizes_[id] = size;
+    return {};
+  }
+  lvm::StoreError extend(const std::string& id, uint64_t size) override {
+    if (auto e = take(Call::Extend)) return e;
+    auto it = sizes_.find(id);
+    if (it == sizes_.end()) return error(ENOENT, "no such volume");
+    if (size < it->second) return error(EINVAL, "extend shrinks");  // the caller checks
+    it->second = size;
+    return {};
+  }
+  lvm::StoreError remove(const std::string& id) override {
+    if (auto e = take(Call::Remove)) return e;
+    if (sizes_.erase(id) == 0) return error(ENOENT, "no such volume");
+    return {};
+  }
+  lvm::StoreError open(const std::string& id, uint64_t,
+                       std::shared_ptr<backend::Volume>& out) override {
+    if (auto e = take(Call::Open)) return e;
+    if (sizes_.count(id) == 0) return error(ENOENT, "no such volume");
+    if (!scratch_) scratch_ = scratch_volume(64 * 1024);
+    out = scratch_;
+    return {};
+  }
+  lvm::StoreError refresh(const std::string&, uint64_t, backend::Volume&) override {
+    return take(Call::Refresh);
+  }
+  lvm::StoreError list(std::vector<std::string>& ids) override {
+    if (auto e = take(Call::List)) return e;
+    for (const auto& [id, size] : sizes_) ids.push_back(id);
+    return {};
+  }
+
+  // The next call of kind `call` fails with `err`.
+  void fail_next(Call call, int err) { failures_[call] = err; }
+  void clear_failures() { failures_.clear(); }
+  size_t volume_count() const { return sizes_.size(); }
+
+ private:
+  static lvm::StoreError error(int err, const std::string& message) {
+    return {std::error_code(err, std::generic_category()), "fuzz store: " + message};
+  }
+  lvm::StoreError take(Call call) {
+    auto it = failures_.find(call);
+    if (it == failures_.end()) return {};
+    const int err = it->second;
+    failures_.erase(it);
+    return error(err, "injected " + std::error_code(err, std::generic_category()).message());
+  }
+
+  std::map<std::string, uint64_t> sizes_;
+  std::map<Call, int> failures_;
+  std::shared_ptr<backend::Volume> scratch_;
+};
+
+}  // namespace shareblk::fuzz
