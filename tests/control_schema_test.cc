@@ -57,7 +57,15 @@ std::string sql(const std::string& path, const std::string& statement) {
 class StateDatabaseTest : public ::testing::Test {
  protected:
   std::string db_path() const { return dir_ / "shareblk.db"; }
-  void copy_fixture() { fs::copy_file(kFixtures / "state-v0.db", db_path()); }
+  void copy_fixture(const std::string& name = "state-v0.db") {
+    fs::copy_file(kFixtures / name, db_path());
+  }
+  // The backing the release that wrote a fixture had for its volumes.
+  void back_volumes(const Json& volumes) {
+    for (const Json& v : volumes) {
+      ASSERT_FALSE(store_.create(v["id"].get<std::string>(), v["size"].get<uint64_t>()));
+    }
+  }
 
   Json call(ControlPlane& plane, const std::string& method, const Json& params = Json::object()) {
     const Json req{{"jsonrpc", "2.0"}, {"id", 1}, {"method", method}, {"params", params}};
@@ -116,6 +124,58 @@ TEST_F(StateDatabaseTest, A010DatabaseIsMigratedWithNothingLost) {
   // A second open finds nothing to do.
   ControlPlane again(db_path(), store_, {});
   EXPECT_EQ(call(again, "attachment_list")["result"].size(), before_attachments.size());
+}
+
+// state-v1.db was written by the release before the volume_intent table (schema version 1):
+// three volumes, attachments attached, attaching, reserved and detached. It migrates with
+// every field as that release listed it, and creates and deletes work on it.
+TEST_F(StateDatabaseTest, AVersion1DatabaseIsMigratedWithNothingLost) {
+  copy_fixture("state-v1.db");
+  ASSERT_EQ(sql(db_path(), "PRAGMA user_version"), "1");
+  ASSERT_NE(sql(db_path(), "SELECT count(*) FROM volume_intent").find("no such table"),
+            std::string::npos);
+  const Json before_attachments = Json::parse(slurp(kFixtures / "state-v1-attachments.json"));
+  const Json before_volumes = Json::parse(slurp(kFixtures / "state-v1-volumes.json"));
+  back_volumes(before_volumes);
+  {
+    ControlPlane plane(db_path(), store_, {});
+    plane.bind(nullptr, {"/tmp/fx1/nbd.sock", "127.0.0.1:10809"});
+    const Json attachments = call(plane, "attachment_list")["result"];
+    ASSERT_EQ(attachments.size(), before_attachments.size()) << attachments;
+    for (size_t i = 0; i < attachments.size(); ++i) {
+      const Json& then = before_attachments[i];
+      for (const char* field : {"id", "volume_id", "instance_uuid", "attached_host", "mode",
+                                "attach_status", "attach_time", "detach_time", "connector"}) {
+        EXPECT_EQ(attachments[i][field], then[field]) << field << " of " << then["id"];
+      }
+      // connection_info as that release showed it (the fixture's socket is the one bound
+      // above); later releases may add to it.
+      const Json& info = attachments[i]["connection_info"];
+      ASSERT_EQ(info.is_null(), then["connection_info"].is_null()) << then["id"];
+      if (info.is_null()) continue;
+      EXPECT_EQ(info["driver_volume_type"], then["connection_info"]["driver_volume_type"]);
+      for (const auto& [key, value] : then["connection_info"]["data"].items()) {
+        EXPECT_EQ(info["data"][key], value) << key << " of " << then["id"];
+      }
+    }
+    const Json volumes = call(plane, "volume_list")["result"];
+    ASSERT_EQ(volumes.size(), before_volumes.size());
+    for (size_t i = 0; i < volumes.size(); ++i) {
+      for (const char* field :
+           {"id", "name", "size", "multiattach", "bootable", "status", "created_at"}) {
+        EXPECT_EQ(volumes[i][field], before_volumes[i][field]) << field;
+      }
+    }
+    // The migrated database takes creates and deletes, each leaving no intent behind.
+    const Json made = call(plane, "volume_create", {{"name", "new"}, {"size", "1M"}});
+    ASSERT_TRUE(made.contains("result")) << made;
+    const std::string plain = before_volumes[1]["id"];
+    EXPECT_TRUE(call(plane, "volume_delete", {{"volume_id", plain}})["result"]["deleted"]);
+    EXPECT_EQ(store_.volumes().count(plain), 0u);
+  }
+  EXPECT_EQ(sql(db_path(), "PRAGMA user_version"),
+            std::to_string(shareblk::control::kSchemaVersion));
+  EXPECT_EQ(sql(db_path(), "SELECT count(*) FROM volume_intent"), "0");
 }
 
 TEST_F(StateDatabaseTest, TheStatusColumnAdmitsOnlyTheLifecycleStates) {
