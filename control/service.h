@@ -103,6 +103,7 @@ class Service {
   Json detach(const std::string& volume_id, const std::string& attachment_id);
   // service.cc
   void reconcile();
+  void finish_intents();
   void remount(const AttachmentRow& a, const VolumeRow& v);
   std::string volume_of(const std::string& attachment_id);
   static VolumeRow find_volume(Database::Transaction& tx, const std::string& id);
@@ -135,5 +136,9 @@ std::string now_iso();  // UTC, ISO 8601 with microseconds: sorts as it happened
 std::filesystem::path comparable_path(const std::filesystem::path& path);
 // in-use > attaching > reserved > detaching > available, from its attachments' states.
 std::string volume_status(const std::vector<AttachmentRow>& attachments);
+// For the crash tests (tests/e2e_crash_test.cc) only: when the environment variable
+// SHAREBLK_TEST_KILL_AT names `point`, the daemon kills itself there with SIGKILL, as a
+// kill -9 at that moment would.
+void crash_point(const char* point);
 
 }  // namespace shareblk::control

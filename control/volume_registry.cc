@@ -10,6 +10,10 @@ namespace shareblk::control {
 
 namespace {
 
+bool is_missing(const lvm::StoreError& e) {
+  return e.code.value() == ENOENT;
+}
+
 ApiError store_error(const lvm::StoreError& e) {
   const int code = e.code.value();
   if (code == ENOSPC || code == EDQUOT || code == EFBIG) return ApiError("no_space", e.message);
@@ -70,7 +74,8 @@ void VolumeRegistry::remove(const std::string& id) {
     std::lock_guard lock(open_mutex_);
     open_.erase(id);
   }
-  if (lvm::StoreError e = store_.remove(id)) throw store_error(e);
+  // Already gone is removed: a delete that a crash interrupted is finished so.
+  if (lvm::StoreError e = store_.remove(id); e && !is_missing(e)) throw store_error(e);
 }
 
 std::shared_ptr<backend::Volume> VolumeRegistry::open(const std::string& id, uint64_t size) {

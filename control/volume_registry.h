@@ -43,7 +43,8 @@ class VolumeRegistry {
   // only then, so that a volume opened meanwhile (from the old size in the database) is
   // refreshed too; one that cannot be is dropped, and reopened by the next user.
   void refresh(const std::string& id, uint64_t size);
-  void remove(const std::string& id);  // forgets the open volume first
+  // Forgets the open volume first. Backing that is already gone counts as removed.
+  void remove(const std::string& id);
 
   // The open volume, opened on first use; nullptr (logged) when the store cannot open it.
   std::shared_ptr<backend::Volume> open(const std::string& id, uint64_t size);

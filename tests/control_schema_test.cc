@@ -6,6 +6,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <sstream>
 #include <string>
@@ -270,6 +271,44 @@ TEST_F(StateDatabaseTest, StoreFailuresHaveTheirReasonsAndLeaveNoRow) {
   EXPECT_EQ(call(plane, "volume_show", {{"volume_id", id}})["result"]["id"], id);
   EXPECT_TRUE(call(plane, "volume_delete", {{"volume_id", id}})["result"]["deleted"]);
   EXPECT_TRUE(store_.volumes().empty());
+  EXPECT_EQ(sql(db_path(), "SELECT count(*) FROM volume_intent"), "0");
+}
+
+// A store that fails to make the backing leaves neither a row nor backing, nor an intent once
+// the roll-back is done.
+TEST_F(StateDatabaseTest, AFailedCreateLeavesNoIntent) {
+  ControlPlane plane(db_path(), store_, {});
+  store_.fail_next(FakeVolumeStore::Call::Create, EIO);
+  EXPECT_TRUE(call(plane, "volume_create", {{"name", "v"}, {"size", "1M"}}).contains("error"));
+  EXPECT_EQ(sql(db_path(), "SELECT count(*) FROM volume_intent"), "0");
+  EXPECT_TRUE(store_.volumes().empty());
+}
+
+// Intents a killed daemon left (written here as it would have): the next start rolls the
+// create back and finishes the delete, before it serves anything.
+TEST_F(StateDatabaseTest, AStartFinishesTheIntentsItFinds) {
+  std::string kept, deleted;
+  {
+    ControlPlane plane(db_path(), store_, {});
+    kept = call(plane, "volume_create", {{"name", "kept"}, {"size", "1M"}})["result"]["id"];
+    deleted = call(plane, "volume_create", {{"name", "gone"}, {"size", "1M"}})["result"]["id"];
+  }
+  ASSERT_FALSE(store_.create("half-made", 512));  // a create killed after the store's part
+  ASSERT_EQ(sql(db_path(), "INSERT INTO volume_intent VALUES ('half-made', 'create', '', 't')"),
+            "");
+  ASSERT_EQ(
+      sql(db_path(), "INSERT INTO volume_intent VALUES ('" + deleted + "', 'delete', '', 't')"),
+      "");
+  ASSERT_NE(sql(db_path(), "INSERT INTO volume_intent VALUES ('x', 'resize', '', 't')")
+                .find("CHECK constraint failed"),
+            std::string::npos);
+  ControlPlane plane(db_path(), store_, {});
+  const Json volumes = call(plane, "volume_list")["result"];
+  ASSERT_EQ(volumes.size(), 1u) << volumes;
+  EXPECT_EQ(volumes[0]["id"], kept);
+  EXPECT_EQ(volumes[0]["status"], "available");
+  EXPECT_EQ(store_.volumes(), (std::map<std::string, uint64_t>{{kept, 1u << 20}}));
+  EXPECT_EQ(sql(db_path(), "SELECT count(*) FROM volume_intent"), "0");
 }
 
 // A full state directory is the caller's to fix, so it says no_space, not internal.
