@@ -156,7 +156,8 @@ void Service::reconcile() {
 // A create or delete that a crash interrupted: a create is rolled back (its caller never
 // learnt the volume's id, and its backing may be half made), a delete is finished (its caller
 // asked for it, and its backing may be half gone). Both remove the backing, which is harmless
-// when it is already gone. One that cannot be finished now is kept for the next start.
+// when it is already gone. One that cannot be finished now is kept for the next start; a
+// delete's volume shows status error meanwhile.
 void Service::finish_intents() {
   std::vector<IntentRow> intents;
   {
@@ -199,6 +200,23 @@ void Service::finish_intents() {
       }
     }
   }
+}
+
+std::optional<std::string> Service::error_of(const std::optional<IntentRow>& intent,
+                                             const std::string& volume_id) {
+  if (intent && intent->action == IntentAction::Delete) {
+    std::string why = "a volume_delete began and has not finished";
+    if (!intent->error.empty()) why += " (" + intent->error + ")";
+    return why + "; delete it again";
+  }
+  return volumes_.missing(volume_id);
+}
+
+void Service::refuse_unusable(Database::Transaction& tx, const VolumeRow& v) {
+  std::optional<std::string> why;
+  if (auto i = tx.intent(v.id); i && i->action == IntentAction::Delete) why = error_of(i, v.id);
+  if (!why) why = volumes_.check(v.id, v.size);  // afresh in the store
+  if (why) throw ApiError("volume_error", "volume " + v.id + " cannot be attached: " + *why);
 }
 
 // The volume an attachment belongs to, looked up before taking that volume's lock.

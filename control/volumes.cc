@@ -1,6 +1,8 @@
 // The volume methods (docs/api.md, "Volumes").
 #include <spdlog/spdlog.h>
 
+#include <map>
+
 #include "control/service.h"
 
 namespace shareblk::control {
@@ -55,7 +57,13 @@ Json Service::volume_create(const VolumeSpec& spec) {
 Json Service::volume_list() {
   Database::Transaction tx(db_);
   Json out = Json::array();
-  for (const VolumeRow& v : tx.volumes()) out.push_back(volume_json(tx, v));
+  std::map<std::string, IntentRow> intents;  // almost always none: one query, not one a volume
+  for (IntentRow& i : tx.intents()) intents.emplace(i.volume_id, std::move(i));
+  for (const VolumeRow& v : tx.volumes()) {
+    auto it = intents.find(v.id);
+    out.push_back(volume_json(
+        tx, v, it == intents.end() ? std::nullopt : std::optional<IntentRow>(it->second)));
+  }
   return out;
 }
 
@@ -66,8 +74,8 @@ Json Service::volume_show(const std::string& id) {
 
 // The intent is recorded with the check for live attachments, under the volume's lock, and
 // removed with the row: a crash at any point leaves the volume whole or an intent that the
-// next start finishes. A store that fails leaves the intent with its error (its backing may
-// be half gone) until a delete succeeds.
+// next start finishes. A store that fails leaves the intent with its error: the volume shows
+// status error (its backing may be half gone) until a delete succeeds.
 Json Service::volume_delete(const std::string& id) {
   const VolumeLock lock = volumes_.lock(id);
   {

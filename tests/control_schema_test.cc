@@ -86,6 +86,7 @@ TEST_F(StateDatabaseTest, A010DatabaseIsMigratedWithNothingLost) {
   ASSERT_EQ(sql(db_path(), "PRAGMA user_version"), "0");
   Json before_attachments = Json::parse(slurp(kFixtures / "state-v0-attachments.json"));
   Json before_volumes = Json::parse(slurp(kFixtures / "state-v0-volumes.json"));
+  back_volumes(before_volumes);
   {
     ControlPlane plane(db_path(), store_, {});
     plane.bind(nullptr, {"/run/x/nbd.sock", "127.0.0.1:10809"});
@@ -166,6 +167,7 @@ TEST_F(StateDatabaseTest, AVersion1DatabaseIsMigratedWithNothingLost) {
            {"id", "name", "size", "multiattach", "bootable", "status", "created_at"}) {
         EXPECT_EQ(volumes[i][field], before_volumes[i][field]) << field;
       }
+      EXPECT_TRUE(volumes[i]["status_reason"].is_null()) << volumes[i];
     }
     // The migrated database takes creates and deletes, each leaving no intent behind.
     const Json made = call(plane, "volume_create", {{"name", "new"}, {"size", "1M"}});
@@ -264,11 +266,18 @@ TEST_F(StateDatabaseTest, StoreFailuresHaveTheirReasonsAndLeaveNoRow) {
   Json grow = call(plane, "volume_extend", {{"volume_id", id}, {"size", "2M"}});
   EXPECT_EQ(grow["error"]["data"]["reason"], "no_space") << grow;
   EXPECT_EQ(call(plane, "volume_show", {{"volume_id", id}})["result"]["size"], 1u << 20);
-  // A store that cannot remove the backing leaves the volume to retry on.
+  // A store that cannot remove the backing leaves the volume to retry on, in status error
+  // (its backing may be half gone: an LVM volume is zeroed before lvremove), not attachable.
   store_.fail_next(FakeVolumeStore::Call::Remove, EIO);
   Json del = call(plane, "volume_delete", {{"volume_id", id}});
   EXPECT_EQ(del["error"]["data"]["reason"], "internal") << del;
-  EXPECT_EQ(call(plane, "volume_show", {{"volume_id", id}})["result"]["id"], id);
+  Json shown = call(plane, "volume_show", {{"volume_id", id}})["result"];
+  EXPECT_EQ(shown["id"], id);
+  EXPECT_EQ(shown["status"], "error") << shown;
+  EXPECT_NE(shown["status_reason"].get<std::string>().find("volume_delete"), std::string::npos)
+      << shown;
+  Json refused = call(plane, "attachment_create", {{"volume_id", id}, {"instance_uuid", "i"}});
+  EXPECT_EQ(refused["error"]["data"]["reason"], "volume_error") << refused;
   EXPECT_TRUE(call(plane, "volume_delete", {{"volume_id", id}})["result"]["deleted"]);
   EXPECT_TRUE(store_.volumes().empty());
   EXPECT_EQ(sql(db_path(), "SELECT count(*) FROM volume_intent"), "0");
@@ -309,6 +318,38 @@ TEST_F(StateDatabaseTest, AStartFinishesTheIntentsItFinds) {
   EXPECT_EQ(volumes[0]["status"], "available");
   EXPECT_EQ(store_.volumes(), (std::map<std::string, uint64_t>{{kept, 1u << 20}}));
   EXPECT_EQ(sql(db_path(), "SELECT count(*) FROM volume_intent"), "0");
+}
+
+// A volume whose backing is gone for another reason (here: the store lost it) is shown as
+// status error with the reason, and refuses attachments; it can still be deleted.
+TEST_F(StateDatabaseTest, AVolumeWithoutBackingIsAnErrorAndRefusesAttachments) {
+  ControlPlane plane(db_path(), store_, {});
+  plane.bind(nullptr, {"/run/x/nbd.sock", "127.0.0.1:10809"});
+  const std::string id =
+      call(plane, "volume_create", {{"name", "v"}, {"size", "1M"}})["result"]["id"];
+  const std::string reserved =
+      call(plane, "attachment_create", {{"volume_id", id}, {"instance_uuid", "i"}})["result"]["id"];
+  ASSERT_FALSE(store_.remove(id));
+  Json refused = call(plane, "attachment_create", {{"volume_id", id}, {"instance_uuid", "j"}});
+  EXPECT_EQ(refused["error"]["data"]["reason"], "volume_error") << refused;
+  EXPECT_EQ(refused["error"]["code"], -32009) << refused;
+  Json update =
+      call(plane, "attachment_update",
+           {{"attachment_id", reserved}, {"connector", {{"host", "h"}, {"transport", "unix"}}}});
+  EXPECT_EQ(update["error"]["data"]["reason"], "volume_error") << update;
+  Json shown = call(plane, "volume_show", {{"volume_id", id}})["result"];
+  EXPECT_EQ(shown["status"], "error") << shown;
+  EXPECT_NE(shown["status_reason"].get<std::string>().find("backing is missing"), std::string::npos)
+      << shown;
+  // Back again (restored, say): attachable again.
+  ASSERT_FALSE(store_.create(id, 1u << 20));
+  update =
+      call(plane, "attachment_update",
+           {{"attachment_id", reserved}, {"connector", {{"host", "h"}, {"transport", "unix"}}}});
+  EXPECT_TRUE(update.contains("result")) << update;
+  shown = call(plane, "volume_show", {{"volume_id", id}})["result"];
+  EXPECT_EQ(shown["status"], "attaching") << shown;
+  EXPECT_TRUE(shown["status_reason"].is_null()) << shown;
 }
 
 // A full state directory is the caller's to fix, so it says no_space, not internal.

@@ -1,6 +1,8 @@
 // Creates and deletes are crash-safe (issue 19; docs/state.md, "Creates and deletes"): the
 // real daemon killed with SIGKILL in the middle of volume_create or volume_delete leaves, once
 // restarted, neither a file in the store that no volume owns nor a volume whose file is gone.
+// And a volume whose file is removed behind the daemon's back shows status error and refuses
+// attachments.
 #include <gtest/gtest.h>
 #include <signal.h>
 
@@ -55,11 +57,13 @@ class CrashTest : public ::testing::Test {
     }
     return ids;
   }
-  // The volumes the daemon lists, by id.
+  // The volumes the daemon lists, by id; every one must be usable.
   std::set<std::string> volumes() {
     std::set<std::string> ids;
-    for (const Json& v : st::rpc_ok(control(), "volume_list"))
+    for (const Json& v : st::rpc_ok(control(), "volume_list")) {
+      EXPECT_NE(v["status"], "error") << v;
       ids.insert(v["id"].get<std::string>());
+    }
     return ids;
   }
 
@@ -199,6 +203,47 @@ TEST_F(CrashTest, RandomKillsDuringCreatesAndDeletesLeaveNoDrift) {
   std::cout << "[ stats    ] " << cycles << " kills during " << calls_made
             << " acknowledged creates and deletes; rows and files disagreed after " << drifted
             << "\n";
+}
+
+// --- A file removed behind the daemon's back ---
+
+TEST_F(CrashTest, AVolumeWhoseFileIsRemovedShowsErrorAndRefusesAttachments) {
+  start();
+  const std::string id = create("v");
+  const std::string reserved =
+      st::rpc_ok(control(), "attachment_create", {{"volume_id", id}, {"instance_uuid", "i"}})["id"];
+  ASSERT_TRUE(fs::remove(state() + "/volumes/" + id + ".img"));
+
+  // Before, this attached, completed, and had no export to connect to.
+  const Json connector{{"host", "h"}, {"transport", "unix"}};
+  Json refused = st::rpc(control(), "attachment_update",
+                         {{"attachment_id", reserved}, {"connector", connector}});
+  EXPECT_EQ(refused["error"]["data"]["reason"], "volume_error") << refused;
+  EXPECT_NE(refused["error"]["message"].get<std::string>().find("backing is missing"),
+            std::string::npos)
+      << refused;
+  st::rpc_ok(control(), "attachment_delete", {{"attachment_id", reserved}});
+  EXPECT_EQ(st::rpc_reason(control(), "attachment_create",
+                           {{"volume_id", id}, {"instance_uuid", "j"}, {"connector", connector}}),
+            "volume_error");
+  Json shown = st::rpc_ok(control(), "volume_show", {{"volume_id", id}});
+  EXPECT_EQ(shown["status"], "error") << shown;
+  EXPECT_NE(shown["status_reason"].get<std::string>().find("backing is missing"), std::string::npos)
+      << shown;
+
+  // A restart finds it at once, and says so.
+  ASSERT_EQ(daemon_->stop(SIGTERM), 0);
+  start();
+  shown = st::rpc_ok(control(), "volume_list")[0];
+  EXPECT_EQ(shown["status"], "error") << shown;
+  EXPECT_NE(daemon_->log().find("has no backing"), std::string::npos) << daemon_->log();
+  EXPECT_EQ(st::rpc_reason(control(), "attachment_create",
+                           {{"volume_id", id}, {"instance_uuid", "j"}, {"connector", connector}}),
+            "volume_error");
+  // It can still be deleted, and then nothing is left.
+  EXPECT_TRUE(st::rpc_ok(control(), "volume_delete", {{"volume_id", id}})["deleted"]);
+  EXPECT_TRUE(st::rpc_ok(control(), "volume_list").empty());
+  EXPECT_TRUE(files().empty());
 }
 
 }  // namespace
