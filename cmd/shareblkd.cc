@@ -150,6 +150,9 @@ int run(int argc, char** argv) {
      "connections in their handshake at most from one TCP address or one local uid")
     ("send-timeout-ms", po::value<unsigned>()->default_value(ms(defaults.send_timeout)),
      "milliseconds a client may take none of its replies before it is cut off (0 = never)")
+    ("payload-timeout-ms", po::value<unsigned>()->default_value(ms(defaults.payload_timeout)),
+     "milliseconds a client may send none of a request's payload before it is cut off "
+     "(0 = never)")
     ("peer-timeout-ms", po::value<unsigned>()->default_value(ms(defaults.peer_timeout)),
      "milliseconds a TCP client's host may stay silent before its connection is dropped "
      "(0 = the kernel's defaults)")
@@ -229,6 +232,7 @@ int run(int argc, char** argv) {
   }
   options.send_timeout = std::chrono::milliseconds(vm["send-timeout-ms"].as<unsigned>());
   options.peer_timeout = std::chrono::milliseconds(vm["peer-timeout-ms"].as<unsigned>());
+  options.payload_timeout = std::chrono::milliseconds(vm["payload-timeout-ms"].as<unsigned>());
   sigset_t signals = block_signals();
 
   std::shared_ptr<target::ExportCatalog> catalog;

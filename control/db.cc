@@ -10,7 +10,8 @@ namespace shareblk::control {
 
 namespace {
 
-// The tables as version 1 has them. Version 0 (0.1.0) had no CHECK on attach_status.
+// The tables as version 2 has them. Version 0 (0.1.0) had no CHECK on attach_status; version
+// 1 had no volume_intent.
 const char* kVolumesTable = R"sql(
 CREATE TABLE volumes (
   id          TEXT PRIMARY KEY,
@@ -42,6 +43,16 @@ CREATE TABLE %s (
 )sql";
 
 const char* kAttachmentIndex = "CREATE INDEX attachment_by_volume ON volume_attachment(volume_id);";
+
+// No reference to volumes: a create's intent comes before its row.
+const char* kIntentTable = R"sql(
+CREATE TABLE volume_intent (
+  volume_id  TEXT PRIMARY KEY,
+  action     TEXT NOT NULL CHECK (action IN ('create', 'delete')),
+  error      TEXT NOT NULL,
+  created_at TEXT NOT NULL
+);
+)sql";
 
 std::string attachment_table(const char* name) {
   std::string sql = kAttachmentTableV1;
@@ -118,6 +129,14 @@ AttachmentRow attachment_from(const Statement& s) {
   return a;
 }
 
+constexpr const char* kIntentColumns = "volume_id, action, error, created_at";
+
+IntentRow intent_from(const Statement& s) {
+  // The CHECK constraint admits only the two names.
+  return IntentRow{s.text(0), s.text(1) == "delete" ? IntentAction::Delete : IntentAction::Create,
+                   s.text(2), s.text(3)};
+}
+
 void bind_attachment(Statement& s, const AttachmentRow& a) {
   s.bind(1, a.id).bind(2, a.volume_id).bind(3, a.instance_uuid).bind(4, a.attached_host);
   s.bind(5, std::string(to_string(a.mode))).bind(6, std::string(to_string(a.attach_status)));
@@ -129,6 +148,10 @@ void bind_attachment(Statement& s, const AttachmentRow& a) {
 
 std::string_view to_string(backend::AttachMode mode) {
   return mode == backend::AttachMode::ReadOnly ? "ro" : "rw";
+}
+
+std::string_view to_string(IntentAction action) {
+  return action == IntentAction::Delete ? "delete" : "create";
 }
 
 Database::Database(const std::string& path) {
@@ -201,14 +224,18 @@ void Database::migrate(const std::string& path) {
       exec(kVolumesTable);
       exec(attachment_table("volume_attachment").c_str());
       exec(kAttachmentIndex);
-    } else {  // version 0: the same columns, without the CHECK on attach_status
-      exec(attachment_table("volume_attachment_v1").c_str());
-      exec((std::string("INSERT INTO volume_attachment_v1 (") + kAttachmentColumns + ") SELECT " +
-            kAttachmentColumns + " FROM volume_attachment")
-               .c_str());
-      exec("DROP TABLE volume_attachment");
-      exec("ALTER TABLE volume_attachment_v1 RENAME TO volume_attachment");
-      exec(kAttachmentIndex);
+      exec(kIntentTable);
+    } else {
+      if (version < 1) {  // 0 → 1: the same columns, and a CHECK on attach_status
+        exec(attachment_table("volume_attachment_v1").c_str());
+        exec((std::string("INSERT INTO volume_attachment_v1 (") + kAttachmentColumns + ") SELECT " +
+              kAttachmentColumns + " FROM volume_attachment")
+                 .c_str());
+        exec("DROP TABLE volume_attachment");
+        exec("ALTER TABLE volume_attachment_v1 RENAME TO volume_attachment");
+        exec(kAttachmentIndex);
+      }
+      if (version < 2) exec(kIntentTable);  // 1 → 2: creates and deletes under way
     }
     {  // step 10 of SQLite's table rebuild: the copy kept every reference whole
       Statement check(db_, "PRAGMA foreign_key_check");
@@ -345,6 +372,39 @@ void Database::Transaction::update_attachment(const AttachmentRow& a) {
               "attached_host = ?, mode = ?, attach_status = ?, attach_time = ?, detach_time = ?, "
               "connector = ?, export_name = ?, created_at = ? WHERE id = ?1");
   bind_attachment(s, a);
+  s.step();
+}
+
+std::vector<IntentRow> Database::Transaction::intents() {
+  Statement s(db_.db_, (std::string("SELECT ") + kIntentColumns +
+                        " FROM volume_intent ORDER BY created_at, volume_id")
+                           .c_str());
+  std::vector<IntentRow> rows;
+  while (s.step()) rows.push_back(intent_from(s));
+  return rows;
+}
+
+std::optional<IntentRow> Database::Transaction::intent(const std::string& volume_id) {
+  Statement s(db_.db_,
+              (std::string("SELECT ") + kIntentColumns + " FROM volume_intent WHERE volume_id = ?")
+                  .c_str());
+  s.bind(1, volume_id);
+  if (!s.step()) return std::nullopt;
+  return intent_from(s);
+}
+
+void Database::Transaction::put_intent(const IntentRow& i) {
+  Statement s(db_.db_,
+              "INSERT OR REPLACE INTO volume_intent (volume_id, action, error, created_at) "
+              "VALUES (?, ?, ?, ?)");
+  s.bind(1, i.volume_id).bind(2, std::string(to_string(i.action))).bind(3, i.error);
+  s.bind(4, i.created_at);
+  s.step();
+}
+
+void Database::Transaction::delete_intent(const std::string& volume_id) {
+  Statement s(db_.db_, "DELETE FROM volume_intent WHERE volume_id = ?");
+  s.bind(1, volume_id);
   s.step();
 }
 

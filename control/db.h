@@ -1,4 +1,5 @@
-// Internal to control/: the SQLite state (volumes and the volume_attachment table).
+// Internal to control/: the SQLite state (volumes, the volume_attachment table, and the
+// volume_intent table of creates and deletes under way).
 //
 // One connection, used under one mutex; every change is committed (WAL, synchronous=FULL)
 // before the caller replies, so a kill -9 loses nothing that was acknowledged. The schema
@@ -44,6 +45,19 @@ struct AttachmentRow {
   std::string created_at;
 };
 
+// A volume_create or volume_delete recorded before the store is touched, and removed in the
+// transaction that completes it: one left behind is a call a crash interrupted, which the next
+// start finishes (docs/state.md, "Creates and deletes").
+enum class IntentAction { Create, Delete };
+std::string_view to_string(IntentAction action);
+
+struct IntentRow {
+  std::string volume_id;
+  IntentAction action = IntentAction::Create;
+  std::string error;  // why the last attempt to finish it failed; empty when none has
+  std::string created_at;
+};
+
 struct DbError : std::runtime_error {
   explicit DbError(const std::string& message, int sqlite_code = 0)
       : std::runtime_error(message), code(sqlite_code) {}
@@ -53,7 +67,7 @@ struct DbError : std::runtime_error {
 };
 
 // The schema this build writes. Version 0 is the unversioned schema of 0.1.0.
-inline constexpr int kSchemaVersion = 1;
+inline constexpr int kSchemaVersion = 2;
 
 // "rw" / "ro", as stored and as the API shows them.
 std::string_view to_string(backend::AttachMode mode);
@@ -86,6 +100,11 @@ class Database {
     std::optional<AttachmentRow> attachment_by_export(const std::string& export_name);
     void insert_attachment(const AttachmentRow& a);
     void update_attachment(const AttachmentRow& a);
+
+    std::vector<IntentRow> intents();  // oldest first
+    std::optional<IntentRow> intent(const std::string& volume_id);
+    void put_intent(const IntentRow& i);  // replaces the volume's intent, if it has one
+    void delete_intent(const std::string& volume_id);
 
    private:
     Database& db_;

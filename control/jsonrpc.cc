@@ -269,6 +269,7 @@ int code_for(const std::string& reason) {
       {"policy_denied", -32006},
       {"invalid_state", -32007},
       {"no_space", -32008},
+      {"volume_error", -32009},
   };
   for (const auto& [name, code] : kCodes) {
     if (reason == name) return code;

@@ -6,7 +6,10 @@
 #include <sys/random.h>
 
 #include <chrono>
+#include <csignal>
 #include <cstdio>
+#include <cstdlib>
+#include <cstring>
 #include <ctime>
 
 #include "control/admission.h"
@@ -53,6 +56,15 @@ std::string now_iso() {
                 tm.tm_mon + 1, tm.tm_mday, tm.tm_hour, tm.tm_min, tm.tm_sec,
                 static_cast<int>(us % 1000000));
   return buf;
+}
+
+void crash_point(const char* point) {
+  // Read once, at the first call; set only by the tests that start the daemon with it.
+  static const char* const wanted = std::getenv("SHAREBLK_TEST_KILL_AT");
+  if (wanted == nullptr || std::strcmp(wanted, point) != 0) return;
+  spdlog::warn("test: SHAREBLK_TEST_KILL_AT={}: the daemon kills itself here", point);
+  spdlog::default_logger()->flush();
+  ::kill(::getpid(), SIGKILL);
 }
 
 Service::Service(const std::string& db_path, lvm::VolumeStore& store, Policy policy)
@@ -125,6 +137,7 @@ void Service::reconcile() {
                     e.what());
     }
   }
+  finish_intents();
   Database::Transaction tx(db_);
   std::vector<std::pair<std::string, std::string>> known;
   for (AttachmentRow a : tx.attachments()) {
@@ -138,6 +151,72 @@ void Service::reconcile() {
   for (const VolumeRow& v : tx.volumes()) known.emplace_back(v.id, v.name);
   volumes_.reconcile(known);
   tx.commit();
+}
+
+// A create or delete that a crash interrupted: a create is rolled back (its caller never
+// learnt the volume's id, and its backing may be half made), a delete is finished (its caller
+// asked for it, and its backing may be half gone). Both remove the backing, which is harmless
+// when it is already gone. One that cannot be finished now is kept for the next start; a
+// delete's volume shows status error meanwhile.
+void Service::finish_intents() {
+  std::vector<IntentRow> intents;
+  {
+    Database::Transaction tx(db_);
+    intents = tx.intents();
+  }
+  for (IntentRow& i : intents) {
+    const char* what = i.action == IntentAction::Create ? "volume_create" : "volume_delete";
+    try {
+      {
+        Database::Transaction tx(db_);
+        // The row and the intent's removal are one transaction, so a create's row never
+        // outlives its intent; if one did, the volume is whole and stays.
+        if (i.action == IntentAction::Create && tx.volume(i.volume_id)) {
+          tx.delete_intent(i.volume_id);
+          tx.commit();
+          continue;
+        }
+      }
+      volumes_.remove(i.volume_id);
+      Database::Transaction tx(db_);
+      if (i.action == IntentAction::Delete) tx.delete_volume(i.volume_id);
+      tx.delete_intent(i.volume_id);
+      tx.commit();
+      spdlog::info("control: the {} of volume {} was interrupted; {}", what, i.volume_id,
+                   i.action == IntentAction::Create ? "rolled back (its backing is removed)"
+                                                    : "finished (backing and row removed)");
+    } catch (const std::exception& e) {
+      spdlog::error(
+          "control: the {} of volume {} was interrupted and cannot be {} now ({}); the "
+          "next start tries again",
+          what, i.volume_id, i.action == IntentAction::Create ? "rolled back" : "finished",
+          e.what());
+      try {
+        Database::Transaction tx(db_);
+        i.error = e.what();
+        tx.put_intent(i);
+        tx.commit();
+      } catch (const std::exception&) {  // the log has it
+      }
+    }
+  }
+}
+
+std::optional<std::string> Service::error_of(const std::optional<IntentRow>& intent,
+                                             const std::string& volume_id) {
+  if (intent && intent->action == IntentAction::Delete) {
+    std::string why = "a volume_delete began and has not finished";
+    if (!intent->error.empty()) why += " (" + intent->error + ")";
+    return why + "; delete it again";
+  }
+  return volumes_.missing(volume_id);
+}
+
+void Service::refuse_unusable(Database::Transaction& tx, const VolumeRow& v) {
+  std::optional<std::string> why;
+  if (auto i = tx.intent(v.id); i && i->action == IntentAction::Delete) why = error_of(i, v.id);
+  if (!why) why = volumes_.check(v.id, v.size);  // afresh in the store
+  if (why) throw ApiError("volume_error", "volume " + v.id + " cannot be attached: " + *why);
 }
 
 // The volume an attachment belongs to, looked up before taking that volume's lock.

@@ -103,12 +103,22 @@ class Service {
   Json detach(const std::string& volume_id, const std::string& attachment_id);
   // service.cc
   void reconcile();
+  void finish_intents();
+  // Refuses (volume_error) to attach a volume whose status is error: a delete of it has not
+  // finished, or its backing is missing (looked for afresh in the store).
+  void refuse_unusable(Database::Transaction& tx, const VolumeRow& v);
+  // Why the volume's status is error, or nullopt; `intent` is the volume's, if it has one.
+  std::optional<std::string> error_of(const std::optional<IntentRow>& intent,
+                                      const std::string& volume_id);
   void remount(const AttachmentRow& a, const VolumeRow& v);
   std::string volume_of(const std::string& attachment_id);
   static VolumeRow find_volume(Database::Transaction& tx, const std::string& id);
   static AttachmentRow find_attachment(Database::Transaction& tx, const std::string& id);
   // views.cc
   Json volume_json(Database::Transaction& tx, const VolumeRow& v);
+  // With the volume's intent already looked up (volume_list looks them all up at once).
+  Json volume_json(Database::Transaction& tx, const VolumeRow& v,
+                   const std::optional<IntentRow>& intent);
   Json attachment_json(const AttachmentRow& a, const VolumeRow& v);
   Json connection_info(const AttachmentRow& a, const VolumeRow& v);
 
@@ -135,5 +145,9 @@ std::string now_iso();  // UTC, ISO 8601 with microseconds: sorts as it happened
 std::filesystem::path comparable_path(const std::filesystem::path& path);
 // in-use > attaching > reserved > detaching > available, from its attachments' states.
 std::string volume_status(const std::vector<AttachmentRow>& attachments);
+// For the crash tests (tests/e2e_crash_test.cc) only: when the environment variable
+// SHAREBLK_TEST_KILL_AT names `point`, the daemon kills itself there with SIGKILL, as a
+// kill -9 at that moment would.
+void crash_point(const char* point);
 
 }  // namespace shareblk::control

@@ -67,17 +67,25 @@ Json Service::attachment_json(const AttachmentRow& a, const VolumeRow& v) {
 }
 
 Json Service::volume_json(Database::Transaction& tx, const VolumeRow& v) {
+  return volume_json(tx, v, tx.intent(v.id));
+}
+
+Json Service::volume_json(Database::Transaction& tx, const VolumeRow& v,
+                          const std::optional<IntentRow>& intent) {
   std::vector<AttachmentRow> all = tx.attachments(v.id);
   Json attachments = Json::array();
   for (const auto& a : all) {
     if (is_live(a.attach_status)) attachments.push_back(attachment_json(a, v));
   }
+  // A volume that cannot be attached says so, whatever its attachments' states.
+  const std::optional<std::string> error = error_of(intent, v.id);
   return Json{{"id", v.id},
               {"name", v.name},
               {"size", v.size},
               {"multiattach", v.multiattach},
               {"bootable", v.bootable},
-              {"status", volume_status(all)},
+              {"status", error ? "error" : volume_status(all)},
+              {"status_reason", error ? Json(*error) : Json(nullptr)},
               {"created_at", v.created_at},
               {"attachments", attachments}};
 }

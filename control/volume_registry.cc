@@ -5,10 +5,15 @@
 #include <set>
 
 #include "control/api_error.h"
+#include "control/params.h"
 
 namespace shareblk::control {
 
 namespace {
+
+bool is_missing(const lvm::StoreError& e) {
+  return e.code.value() == ENOENT;
+}
 
 ApiError store_error(const lvm::StoreError& e) {
   const int code = e.code.value();
@@ -51,7 +56,10 @@ void VolumeRegistry::create(const std::string& id, uint64_t size) {
 }
 
 void VolumeRegistry::extend(const std::string& id, uint64_t size) {
-  if (lvm::StoreError e = store_.extend(id, size)) throw store_error(e);
+  if (lvm::StoreError e = store_.extend(id, size)) {
+    if (is_missing(e)) set_missing(id, e.message);
+    throw store_error(e);
+  }
 }
 
 void VolumeRegistry::refresh(const std::string& id, uint64_t size) {
@@ -70,7 +78,11 @@ void VolumeRegistry::remove(const std::string& id) {
     std::lock_guard lock(open_mutex_);
     open_.erase(id);
   }
-  if (lvm::StoreError e = store_.remove(id)) throw store_error(e);
+  // Already gone is removed: a delete that a crash interrupted is finished so, and so is a
+  // volume whose backing went missing.
+  if (lvm::StoreError e = store_.remove(id); e && !is_missing(e)) throw store_error(e);
+  std::lock_guard lock(missing_mutex_);
+  missing_.erase(id);
 }
 
 std::shared_ptr<backend::Volume> VolumeRegistry::open(const std::string& id, uint64_t size) {
@@ -80,10 +92,44 @@ std::shared_ptr<backend::Volume> VolumeRegistry::open(const std::string& id, uin
     if (lvm::StoreError e = store_.open(id, size, v)) {
       open_.erase(id);
       spdlog::error("control: cannot open volume {}: {}", id, e.message);
+      if (is_missing(e)) set_missing(id, e.message);
       return nullptr;
     }
   }
   return v;
+}
+
+std::optional<std::string> VolumeRegistry::check(const std::string& id, uint64_t size) {
+  std::shared_ptr<backend::Volume> fresh;
+  const lvm::StoreError e = store_.open(id, size, fresh);  // outside the locks: it may be slow
+  if (e && !is_missing(e)) throw store_error(e);
+  {
+    std::lock_guard lock(open_mutex_);
+    if (e) {
+      open_.erase(id);  // its connections keep it; new ones are refused
+    } else if (auto& cached = open_[id]; !cached) {
+      cached = std::move(fresh);  // saves the next user an open
+    }
+  }
+  if (e) return set_missing(id, e.message);
+  std::lock_guard lock(missing_mutex_);
+  missing_.erase(id);
+  return std::nullopt;
+}
+
+std::optional<std::string> VolumeRegistry::missing(const std::string& id) const {
+  std::lock_guard lock(missing_mutex_);
+  auto it = missing_.find(id);
+  if (it == missing_.end()) return std::nullopt;
+  return it->second;
+}
+
+std::string VolumeRegistry::set_missing(const std::string& id, const std::string& why) {
+  std::lock_guard lock(missing_mutex_);
+  auto [it, added] = missing_.insert_or_assign(
+      id, "its backing is missing from the " + store_.kind() + " store (" + why + ")");
+  if (added) spdlog::error("control: volume {}: {}", id, it->second);
+  return it->second;
 }
 
 void VolumeRegistry::reconcile(
@@ -98,8 +144,12 @@ void VolumeRegistry::reconcile(
   for (const auto& [id, name] : known_ids_and_names) {
     known.insert(id);
     if (backed.count(id) == 0) {
-      spdlog::error("control: volume {} ({}) has no backing in the {} store", id, name,
-                    store_.kind());
+      spdlog::error(
+          "control: volume {} ({}) has no backing in the {} store; its status is "
+          "error",
+          id, printable(name), store_.kind());
+      std::lock_guard lock(missing_mutex_);
+      missing_[id] = "its backing is missing from the " + store_.kind() + " store (at start-up)";
     }
   }
   for (const std::string& id : ids) {

@@ -1,13 +1,15 @@
 // Internal to control/: the volume registry, the control plane's one way to a volume's bytes.
 // It owns the store's calls (create, extend, remove: failures become ApiError with the reasons
 // no_space, not_found or internal), the cache of open volumes that every connection of a volume
-// shares, and the per-volume locks that serialize every change to a volume and its attachments.
+// shares, the per-volume locks that serialize every change to a volume and its attachments, and
+// what it has learnt of volumes whose backing is missing.
 #pragma once
 
 #include <cstdint>
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -43,21 +45,37 @@ class VolumeRegistry {
   // only then, so that a volume opened meanwhile (from the old size in the database) is
   // refreshed too; one that cannot be is dropped, and reopened by the next user.
   void refresh(const std::string& id, uint64_t size);
-  void remove(const std::string& id);  // forgets the open volume first
+  // Forgets the open volume first. Backing that is already gone counts as removed.
+  void remove(const std::string& id);
 
   // The open volume, opened on first use; nullptr (logged) when the store cannot open it.
   std::shared_ptr<backend::Volume> open(const std::string& id, uint64_t size);
 
+  // Opens the backing afresh (a cached handle may be a file someone has since removed) and
+  // returns why it is missing, or nullopt when it is there. A backing found missing stays so
+  // for missing() until a check finds it again; an open handle of it is dropped, so that no new
+  // connection gets it. Other failures throw ApiError (internal).
+  std::optional<std::string> check(const std::string& id, uint64_t size);
+  // Why the volume's backing is missing, as the last start, check() or open() found it;
+  // nullopt when none of them found it missing.
+  std::optional<std::string> missing(const std::string& id) const;
+
   // At start-up: what the store holds against the ids the database knows, logged, never
-  // "fixed" by deleting anything.
+  // "fixed" by deleting anything. Volumes without backing are missing() from then on.
   void reconcile(const std::vector<std::pair<std::string, std::string>>& known_ids_and_names);
 
  private:
   lvm::VolumeStore& store_;
   mutable std::mutex locks_mutex_;
   std::map<std::string, std::weak_ptr<std::mutex>> locks_;
-  std::mutex open_mutex_;
+  // Records (and logs, the first time) that the backing is missing; returns the reason.
+  std::string set_missing(const std::string& id, const std::string& why);
+  std::mutex open_mutex_;  // held while the store opens a volume
   std::map<std::string, std::shared_ptr<backend::Volume>> open_;
+  // Its own lock, never held while another is taken: the views read it inside a database
+  // transaction, and must not wait for a store's open.
+  mutable std::mutex missing_mutex_;
+  std::map<std::string, std::string> missing_;  // id -> why
 };
 
 }  // namespace shareblk::control

@@ -1,29 +1,55 @@
 // The volume methods (docs/api.md, "Volumes").
 #include <spdlog/spdlog.h>
 
+#include <map>
+
 #include "control/service.h"
 
 namespace shareblk::control {
 
+// An intent is recorded before the store is touched and removed in the transaction that adds
+// the row, so that a crash at any point leaves either a whole volume or an intent that the next
+// start rolls back (docs/state.md, "Creates and deletes").
 Json Service::volume_create(const VolumeSpec& spec) {
   if (spec.multiattach && !policy_.allow_multiattach) {
     throw ApiError("policy_denied", "policy forbids multiattach volumes");
   }
   VolumeRow v{new_uuid(), spec.name, spec.size, spec.multiattach, spec.bootable, now_iso()};
-  volumes_.create(v.id, v.size);
+  {
+    Database::Transaction tx(db_);
+    tx.put_intent({v.id, IntentAction::Create, "", v.created_at});
+    tx.commit();
+  }
+  crash_point("volume_create:intent");
+  // Never leave backing that no volume owns: a store that failed half way may have made some.
+  auto roll_back = [&] {
+    try {
+      volumes_.remove(v.id);
+      Database::Transaction tx(db_);
+      tx.delete_intent(v.id);
+      tx.commit();
+    } catch (const std::exception& e) {
+      spdlog::error("control: volume {} could not be rolled back ({}); the next start does it",
+                    v.id, e.what());
+    }
+  };
+  try {
+    volumes_.create(v.id, v.size);
+  } catch (...) {
+    roll_back();
+    throw;
+  }
+  crash_point("volume_create:stored");
   try {
     Database::Transaction tx(db_);
     tx.insert_volume(v);
+    tx.delete_intent(v.id);
     Json out = volume_json(tx, v);
     tx.commit();
     spdlog::info("control: created volume {} ({}, {} bytes)", v.id, printable(v.name), v.size);
     return out;
   } catch (...) {
-    try {
-      volumes_.remove(v.id);  // never leave backing that no volume owns
-    } catch (const ApiError& e) {
-      spdlog::error("control: volume {} left backing behind: {}", v.id, e.what());
-    }
+    roll_back();
     throw;
   }
 }
@@ -31,7 +57,13 @@ Json Service::volume_create(const VolumeSpec& spec) {
 Json Service::volume_list() {
   Database::Transaction tx(db_);
   Json out = Json::array();
-  for (const VolumeRow& v : tx.volumes()) out.push_back(volume_json(tx, v));
+  std::map<std::string, IntentRow> intents;  // almost always none: one query, not one a volume
+  for (IntentRow& i : tx.intents()) intents.emplace(i.volume_id, std::move(i));
+  for (const VolumeRow& v : tx.volumes()) {
+    auto it = intents.find(v.id);
+    out.push_back(volume_json(
+        tx, v, it == intents.end() ? std::nullopt : std::optional<IntentRow>(it->second)));
+  }
   return out;
 }
 
@@ -40,6 +72,10 @@ Json Service::volume_show(const std::string& id) {
   return volume_json(tx, find_volume(tx, id));
 }
 
+// The intent is recorded with the check for live attachments, under the volume's lock, and
+// removed with the row: a crash at any point leaves the volume whole or an intent that the
+// next start finishes. A store that fails leaves the intent with its error: the volume shows
+// status error (its backing may be half gone) until a delete succeeds.
 Json Service::volume_delete(const std::string& id) {
   const VolumeLock lock = volumes_.lock(id);
   {
@@ -51,11 +87,26 @@ Json Service::volume_delete(const std::string& id) {
                                             std::string(to_string(a.attach_status)) + ")");
       }
     }
+    tx.put_intent({id, IntentAction::Delete, "", now_iso()});
+    tx.commit();
   }
-  // Backing first: if the store fails, the volume is still there to retry on.
-  volumes_.remove(id);
+  crash_point("volume_delete:intent");
+  try {
+    volumes_.remove(id);
+  } catch (const ApiError& e) {
+    try {
+      Database::Transaction tx(db_);
+      tx.put_intent({id, IntentAction::Delete, e.what(), now_iso()});
+      tx.commit();
+    } catch (const std::exception& db) {  // the intent stays, without the store's words
+      spdlog::error("control: volume {}: cannot record why its delete failed: {}", id, db.what());
+    }
+    throw;
+  }
+  crash_point("volume_delete:removed");
   Database::Transaction tx(db_);
   tx.delete_volume(id);
+  tx.delete_intent(id);
   tx.commit();
   spdlog::info("control: deleted volume {}", id);
   return Json{{"id", id}, {"deleted", true}};

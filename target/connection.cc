@@ -108,6 +108,7 @@ Connection::Connection(Worker& worker, int fd, Session session)
 Connection::~Connection() {
   if (flush_scheduled_) worker_.cancel_flush(this);
   if (waiting_for_budget_) worker_.cancel_wait_for_budget(this);
+  if (awaiting_payload_) worker_.payload_ended();
   ::close(fd_);
 }
 
@@ -140,6 +141,7 @@ void Connection::drop_replies() {
 }
 
 void Connection::post_recv() {
+  track_payload();  // every path that parses comes here after it
   if (recv_pending_) return;
   if (!reading_ || broken_) {
     drop_partial_request();
@@ -182,6 +184,7 @@ void Connection::on_recv(int res) {
   }
   {
     Hold hold(*this);
+    if (awaiting_payload_) payload_progress_ = std::chrono::steady_clock::now();
     if (payload_for_ != nullptr) {
       payload_got_ += static_cast<uint32_t>(res);
       if (payload_got_ == payload_for_->length) {
@@ -205,7 +208,22 @@ void Connection::drop_partial_request() {
   payload_for_ = nullptr;
   refused_ = nullptr;
   discard_left_ = 0;
+  track_payload();
   if (r != nullptr) release(r);
+}
+
+// A payload is awaited from when its header is parsed until its last byte is; the worker cuts
+// off a connection whose payload stops arriving (ServerOptions::payload_timeout).
+void Connection::track_payload() {
+  const bool awaiting = payload_for_ != nullptr || discard_left_ > 0;
+  if (awaiting == awaiting_payload_) return;
+  awaiting_payload_ = awaiting;
+  if (awaiting) {
+    payload_progress_ = std::chrono::steady_clock::now();
+    worker_.payload_awaited();
+  } else {
+    worker_.payload_ended();
+  }
 }
 
 bool Connection::must_wait() {

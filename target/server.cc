@@ -444,7 +444,8 @@ std::error_code Server::start(std::string& what) {
              static_cast<uint64_t>(::sysconf(_SC_PAGESIZE)) / 4;
   }
   for (unsigned i = 0; i < count; ++i) {
-    auto w = std::make_unique<Worker>(s, memory / count, s.options.send_timeout);
+    auto w = std::make_unique<Worker>(s, memory / count, s.options.send_timeout,
+                                      s.options.payload_timeout);
     if (std::error_code ec = w->start()) {
       // Each ring is locked memory: under a small RLIMIT_MEMLOCK the first rings fit and the
       // next do not. Fewer workers still serve every connection. (The ones that run keep

@@ -136,6 +136,10 @@ struct ServerOptions {
   std::chrono::milliseconds close_grace{10000};
   // A connection whose client takes none of its replies for this long is cut off; 0 = never.
   std::chrono::milliseconds send_timeout{30000};
+  // A connection whose client sent a request's header and then none of its payload (a WRITE's
+  // data) for this long is cut off; 0 = never. The payload's buffer counts against
+  // payload_memory until then. Every byte that arrives starts the time again.
+  std::chrono::milliseconds payload_timeout{30000};
   // A TCP connection whose peer stays silent this long (no acknowledgement of a reply, no
   // answer to keepalive probes) is dropped; 0 = the kernel's defaults (hours when idle).
   std::chrono::milliseconds peer_timeout{60000};

@@ -8,6 +8,9 @@
 #include <bit>
 #include <cstdlib>
 #include <cstring>
+#include <utility>
+
+#include "target/rate_limited_log.h"
 
 namespace shareblk::target {
 
@@ -20,6 +23,25 @@ size_t keep_limit(uint32_t size) {
 }
 // Requests kept for reuse per worker.
 constexpr size_t kKeepRequests = 1024;
+
+// Clients cut off: a line a second per reason, for every worker together.
+RateLimitedLog& cut_off_log() {
+  static RateLimitedLog log;
+  return log;
+}
+
+void log_cut_off(const char* reason, const std::string& group, std::chrono::milliseconds after) {
+  const RateLimitedLog::Outcome o = cut_off_log().note(reason, std::chrono::steady_clock::now());
+  if (!o.log) return;
+  if (o.suppressed == 0) {
+    spdlog::warn("nbd: a client of {} {} for {} ms; cutting it off", group, reason, after.count());
+  } else {
+    spdlog::warn(
+        "nbd: a client of {} {} for {} ms; cutting it off (and {} more like it since the last "
+        "line)",
+        group, reason, after.count(), o.suppressed);
+  }
+}
 }  // namespace
 
 BufferPool::~BufferPool() {
@@ -79,8 +101,11 @@ void BufferPool::release(Buffer buf) {
 // --- Worker ---
 
 Worker::Worker(ConnectionRegistry& registry, uint64_t payload_budget,
-               std::chrono::milliseconds send_timeout)
-    : registry_(registry), payload_budget_(payload_budget), send_timeout_(send_timeout) {
+               std::chrono::milliseconds send_timeout, std::chrono::milliseconds payload_timeout)
+    : registry_(registry),
+      payload_budget_(payload_budget),
+      send_timeout_(send_timeout),
+      payload_timeout_(payload_timeout) {
   wakeup_.worker = this;
 }
 
@@ -135,31 +160,44 @@ void Worker::run(std::promise<std::error_code>* started) {
       }
       resuming_.clear();
     }
-    if (watching_sends()) cut_off_stalled_clients();
+    if (watching()) cut_off_stalled_clients();
   }
   pool_.use_ring(nullptr);
   ring_.reset();  // cancels the eventfd read
 }
 
-// Sleeping without a timeout is the common case; only while some socket is full does the
-// worker wake up now and then to look for clients that stopped taking their replies.
+// Sleeping without a timeout is the common case; only while some socket is full, or some
+// request's payload is still to come, does the worker wake up now and then to look for
+// clients that stopped taking their replies or sending their payload.
 int Worker::wait_timeout_ms() const {
-  if (!watching_sends()) return -1;
-  return static_cast<int>(std::clamp<int64_t>(send_timeout_.count() / 4, 10, 1000));
+  if (!watching()) return -1;
+  int64_t shortest = INT64_MAX;
+  if (watching_sends()) shortest = send_timeout_.count();
+  if (watching_payloads()) shortest = std::min<int64_t>(shortest, payload_timeout_.count());
+  return static_cast<int>(std::clamp<int64_t>(shortest / 4, 10, 1000));
 }
 
 void Worker::cut_off_stalled_clients() {
   const auto now = std::chrono::steady_clock::now();
   if (now < next_stall_check_) return;
   next_stall_check_ = now + std::chrono::milliseconds(wait_timeout_ms());
-  std::vector<Connection*> stalled;
+  const bool sends = watching_sends();
+  const bool payloads = watching_payloads();
+  std::vector<std::pair<Connection*, bool>> stalled;  // true: its payload stalled
   for (Connection* c : connections_) {
-    if (c->send_stalled_since(now - send_timeout_)) stalled.push_back(c);
+    if (sends && c->send_stalled_since(now - send_timeout_)) {
+      stalled.emplace_back(c, false);
+    } else if (payloads && c->payload_stalled_since(now - payload_timeout_)) {
+      stalled.emplace_back(c, true);
+    }
   }
-  for (Connection* c : stalled) {
-    spdlog::warn("nbd: a client of {} took none of its replies for {} ms; cutting it off",
-                 c->group(), send_timeout_.count());
-    c->abort();  // the pending send ends with EPIPE, and the connection closes after it
+  for (auto [c, payload] : stalled) {
+    if (payload) {
+      log_cut_off("sent none of a request's payload", c->group(), payload_timeout_);
+    } else {
+      log_cut_off("took none of its replies", c->group(), send_timeout_);
+    }
+    c->abort();  // a pending send or receive ends, and the connection closes after it
   }
 }
 

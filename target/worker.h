@@ -112,6 +112,11 @@ class Connection {
   bool send_stalled_since(std::chrono::steady_clock::time_point since) const {
     return send_pending_ && !broken_ && send_posted_ < since;
   }
+  // True when a request's payload has been awaited since before `since` without a byte of it
+  // arriving: the client promised bytes it does not send.
+  bool payload_stalled_since(std::chrono::steady_clock::time_point since) const {
+    return awaiting_payload_ && !broken_ && payload_progress_ < since;
+  }
 
  private:
   struct RecvCompletion final : backend::Completion {
@@ -125,6 +130,8 @@ class Connection {
 
   void post_recv();
   void drop_partial_request();
+  // Tells the worker whether a payload is awaited now (for its payload deadline).
+  void track_payload();
   void parse();
   bool begin_request(const nbd::Request& header);
   void dispatch(Request* r);
@@ -152,6 +159,9 @@ class Connection {
   Request* refused_ = nullptr;
   int refused_err_ = 0;
   uint64_t discard_left_ = 0;  // payload bytes of refused_ still to skip
+  // A payload (payload_for_'s or refused_'s) is awaited; since when a byte of it last came.
+  bool awaiting_payload_ = false;
+  std::chrono::steady_clock::time_point payload_progress_;
 
   RecvCompletion recv_done_;
   SendCompletion send_done_;
@@ -208,8 +218,11 @@ class Worker {
   // `send_timeout` (ServerOptions::send_timeout): a connection whose client takes none of its
   // replies for this long is cut off (0 = never), so that a hung client cannot keep its
   // buffers, and with them the budget of the other connections here, for ever.
+  // `payload_timeout` (ServerOptions::payload_timeout): likewise for a client that sends none
+  // of a request's payload for this long (0 = never).
   Worker(ConnectionRegistry& registry, uint64_t payload_budget,
-         std::chrono::milliseconds send_timeout);
+         std::chrono::milliseconds send_timeout,
+         std::chrono::milliseconds payload_timeout = std::chrono::milliseconds(0));
   static constexpr uint64_t kDefaultPayloadBudget = 1ull << 30;
   ~Worker();
   Worker(const Worker&) = delete;
@@ -247,6 +260,9 @@ class Worker {
   // A connection queued a send on the ring because its socket was full / that send ended.
   void send_queued() { ++queued_sends_; }
   void send_ended() { --queued_sends_; }
+  // A connection began / stopped waiting for a request's payload.
+  void payload_awaited() { ++awaiting_payloads_; }
+  void payload_ended() { --awaiting_payloads_; }
 
  private:
   struct Wakeup final : backend::Completion {
@@ -257,6 +273,9 @@ class Worker {
   void on_wakeup(int res);
   // True while some send waits for room in its socket and hung clients are cut off.
   bool watching_sends() const { return queued_sends_ > 0 && send_timeout_.count() > 0; }
+  // True while some connection awaits a payload and silent senders are cut off.
+  bool watching_payloads() const { return awaiting_payloads_ > 0 && payload_timeout_.count() > 0; }
+  bool watching() const { return watching_sends() || watching_payloads(); }
   int wait_timeout_ms() const;
   void cut_off_stalled_clients();
 
@@ -279,6 +298,8 @@ class Worker {
   std::vector<Connection*> resuming_;
   const std::chrono::milliseconds send_timeout_;
   size_t queued_sends_ = 0;  // sends waiting on the ring for room in their socket
+  const std::chrono::milliseconds payload_timeout_;
+  size_t awaiting_payloads_ = 0;  // connections waiting for a request's payload
   std::chrono::steady_clock::time_point next_stall_check_;
   bool stopping_ = false;
 };

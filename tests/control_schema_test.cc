@@ -6,6 +6,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <sstream>
 #include <string>
@@ -57,7 +58,15 @@ std::string sql(const std::string& path, const std::string& statement) {
 class StateDatabaseTest : public ::testing::Test {
  protected:
   std::string db_path() const { return dir_ / "shareblk.db"; }
-  void copy_fixture() { fs::copy_file(kFixtures / "state-v0.db", db_path()); }
+  void copy_fixture(const std::string& name = "state-v0.db") {
+    fs::copy_file(kFixtures / name, db_path());
+  }
+  // The backing the release that wrote a fixture had for its volumes.
+  void back_volumes(const Json& volumes) {
+    for (const Json& v : volumes) {
+      ASSERT_FALSE(store_.create(v["id"].get<std::string>(), v["size"].get<uint64_t>()));
+    }
+  }
 
   Json call(ControlPlane& plane, const std::string& method, const Json& params = Json::object()) {
     const Json req{{"jsonrpc", "2.0"}, {"id", 1}, {"method", method}, {"params", params}};
@@ -77,6 +86,7 @@ TEST_F(StateDatabaseTest, A010DatabaseIsMigratedWithNothingLost) {
   ASSERT_EQ(sql(db_path(), "PRAGMA user_version"), "0");
   Json before_attachments = Json::parse(slurp(kFixtures / "state-v0-attachments.json"));
   Json before_volumes = Json::parse(slurp(kFixtures / "state-v0-volumes.json"));
+  back_volumes(before_volumes);
   {
     ControlPlane plane(db_path(), store_, {});
     plane.bind(nullptr, {"/run/x/nbd.sock", "127.0.0.1:10809"});
@@ -116,6 +126,59 @@ TEST_F(StateDatabaseTest, A010DatabaseIsMigratedWithNothingLost) {
   // A second open finds nothing to do.
   ControlPlane again(db_path(), store_, {});
   EXPECT_EQ(call(again, "attachment_list")["result"].size(), before_attachments.size());
+}
+
+// state-v1.db was written by the release before the volume_intent table (schema version 1):
+// three volumes, attachments attached, attaching, reserved and detached. It migrates with
+// every field as that release listed it, and creates and deletes work on it.
+TEST_F(StateDatabaseTest, AVersion1DatabaseIsMigratedWithNothingLost) {
+  copy_fixture("state-v1.db");
+  ASSERT_EQ(sql(db_path(), "PRAGMA user_version"), "1");
+  ASSERT_NE(sql(db_path(), "SELECT count(*) FROM volume_intent").find("no such table"),
+            std::string::npos);
+  const Json before_attachments = Json::parse(slurp(kFixtures / "state-v1-attachments.json"));
+  const Json before_volumes = Json::parse(slurp(kFixtures / "state-v1-volumes.json"));
+  back_volumes(before_volumes);
+  {
+    ControlPlane plane(db_path(), store_, {});
+    plane.bind(nullptr, {"/tmp/fx1/nbd.sock", "127.0.0.1:10809"});
+    const Json attachments = call(plane, "attachment_list")["result"];
+    ASSERT_EQ(attachments.size(), before_attachments.size()) << attachments;
+    for (size_t i = 0; i < attachments.size(); ++i) {
+      const Json& then = before_attachments[i];
+      for (const char* field : {"id", "volume_id", "instance_uuid", "attached_host", "mode",
+                                "attach_status", "attach_time", "detach_time", "connector"}) {
+        EXPECT_EQ(attachments[i][field], then[field]) << field << " of " << then["id"];
+      }
+      // connection_info as that release showed it (the fixture's socket is the one bound
+      // above); later releases may add to it.
+      const Json& info = attachments[i]["connection_info"];
+      ASSERT_EQ(info.is_null(), then["connection_info"].is_null()) << then["id"];
+      if (info.is_null()) continue;
+      EXPECT_EQ(info["driver_volume_type"], then["connection_info"]["driver_volume_type"]);
+      for (const auto& [key, value] : then["connection_info"]["data"].items()) {
+        EXPECT_EQ(info["data"][key], value) << key << " of " << then["id"];
+      }
+    }
+    const Json volumes = call(plane, "volume_list")["result"];
+    ASSERT_EQ(volumes.size(), before_volumes.size());
+    for (size_t i = 0; i < volumes.size(); ++i) {
+      for (const char* field :
+           {"id", "name", "size", "multiattach", "bootable", "status", "created_at"}) {
+        EXPECT_EQ(volumes[i][field], before_volumes[i][field]) << field;
+      }
+      EXPECT_TRUE(volumes[i]["status_reason"].is_null()) << volumes[i];
+    }
+    // The migrated database takes creates and deletes, each leaving no intent behind.
+    const Json made = call(plane, "volume_create", {{"name", "new"}, {"size", "1M"}});
+    ASSERT_TRUE(made.contains("result")) << made;
+    const std::string plain = before_volumes[1]["id"];
+    EXPECT_TRUE(call(plane, "volume_delete", {{"volume_id", plain}})["result"]["deleted"]);
+    EXPECT_EQ(store_.volumes().count(plain), 0u);
+  }
+  EXPECT_EQ(sql(db_path(), "PRAGMA user_version"),
+            std::to_string(shareblk::control::kSchemaVersion));
+  EXPECT_EQ(sql(db_path(), "SELECT count(*) FROM volume_intent"), "0");
 }
 
 TEST_F(StateDatabaseTest, TheStatusColumnAdmitsOnlyTheLifecycleStates) {
@@ -203,13 +266,90 @@ TEST_F(StateDatabaseTest, StoreFailuresHaveTheirReasonsAndLeaveNoRow) {
   Json grow = call(plane, "volume_extend", {{"volume_id", id}, {"size", "2M"}});
   EXPECT_EQ(grow["error"]["data"]["reason"], "no_space") << grow;
   EXPECT_EQ(call(plane, "volume_show", {{"volume_id", id}})["result"]["size"], 1u << 20);
-  // A store that cannot remove the backing leaves the volume to retry on.
+  // A store that cannot remove the backing leaves the volume to retry on, in status error
+  // (its backing may be half gone: an LVM volume is zeroed before lvremove), not attachable.
   store_.fail_next(FakeVolumeStore::Call::Remove, EIO);
   Json del = call(plane, "volume_delete", {{"volume_id", id}});
   EXPECT_EQ(del["error"]["data"]["reason"], "internal") << del;
-  EXPECT_EQ(call(plane, "volume_show", {{"volume_id", id}})["result"]["id"], id);
+  Json shown = call(plane, "volume_show", {{"volume_id", id}})["result"];
+  EXPECT_EQ(shown["id"], id);
+  EXPECT_EQ(shown["status"], "error") << shown;
+  EXPECT_NE(shown["status_reason"].get<std::string>().find("volume_delete"), std::string::npos)
+      << shown;
+  Json refused = call(plane, "attachment_create", {{"volume_id", id}, {"instance_uuid", "i"}});
+  EXPECT_EQ(refused["error"]["data"]["reason"], "volume_error") << refused;
   EXPECT_TRUE(call(plane, "volume_delete", {{"volume_id", id}})["result"]["deleted"]);
   EXPECT_TRUE(store_.volumes().empty());
+  EXPECT_EQ(sql(db_path(), "SELECT count(*) FROM volume_intent"), "0");
+}
+
+// A store that fails to make the backing leaves neither a row nor backing, nor an intent once
+// the roll-back is done.
+TEST_F(StateDatabaseTest, AFailedCreateLeavesNoIntent) {
+  ControlPlane plane(db_path(), store_, {});
+  store_.fail_next(FakeVolumeStore::Call::Create, EIO);
+  EXPECT_TRUE(call(plane, "volume_create", {{"name", "v"}, {"size", "1M"}}).contains("error"));
+  EXPECT_EQ(sql(db_path(), "SELECT count(*) FROM volume_intent"), "0");
+  EXPECT_TRUE(store_.volumes().empty());
+}
+
+// Intents a killed daemon left (written here as it would have): the next start rolls the
+// create back and finishes the delete, before it serves anything.
+TEST_F(StateDatabaseTest, AStartFinishesTheIntentsItFinds) {
+  std::string kept, deleted;
+  {
+    ControlPlane plane(db_path(), store_, {});
+    kept = call(plane, "volume_create", {{"name", "kept"}, {"size", "1M"}})["result"]["id"];
+    deleted = call(plane, "volume_create", {{"name", "gone"}, {"size", "1M"}})["result"]["id"];
+  }
+  ASSERT_FALSE(store_.create("half-made", 512));  // a create killed after the store's part
+  ASSERT_EQ(sql(db_path(), "INSERT INTO volume_intent VALUES ('half-made', 'create', '', 't')"),
+            "");
+  ASSERT_EQ(
+      sql(db_path(), "INSERT INTO volume_intent VALUES ('" + deleted + "', 'delete', '', 't')"),
+      "");
+  ASSERT_NE(sql(db_path(), "INSERT INTO volume_intent VALUES ('x', 'resize', '', 't')")
+                .find("CHECK constraint failed"),
+            std::string::npos);
+  ControlPlane plane(db_path(), store_, {});
+  const Json volumes = call(plane, "volume_list")["result"];
+  ASSERT_EQ(volumes.size(), 1u) << volumes;
+  EXPECT_EQ(volumes[0]["id"], kept);
+  EXPECT_EQ(volumes[0]["status"], "available");
+  EXPECT_EQ(store_.volumes(), (std::map<std::string, uint64_t>{{kept, 1u << 20}}));
+  EXPECT_EQ(sql(db_path(), "SELECT count(*) FROM volume_intent"), "0");
+}
+
+// A volume whose backing is gone for another reason (here: the store lost it) is shown as
+// status error with the reason, and refuses attachments; it can still be deleted.
+TEST_F(StateDatabaseTest, AVolumeWithoutBackingIsAnErrorAndRefusesAttachments) {
+  ControlPlane plane(db_path(), store_, {});
+  plane.bind(nullptr, {"/run/x/nbd.sock", "127.0.0.1:10809"});
+  const std::string id =
+      call(plane, "volume_create", {{"name", "v"}, {"size", "1M"}})["result"]["id"];
+  const std::string reserved =
+      call(plane, "attachment_create", {{"volume_id", id}, {"instance_uuid", "i"}})["result"]["id"];
+  ASSERT_FALSE(store_.remove(id));
+  Json refused = call(plane, "attachment_create", {{"volume_id", id}, {"instance_uuid", "j"}});
+  EXPECT_EQ(refused["error"]["data"]["reason"], "volume_error") << refused;
+  EXPECT_EQ(refused["error"]["code"], -32009) << refused;
+  Json update =
+      call(plane, "attachment_update",
+           {{"attachment_id", reserved}, {"connector", {{"host", "h"}, {"transport", "unix"}}}});
+  EXPECT_EQ(update["error"]["data"]["reason"], "volume_error") << update;
+  Json shown = call(plane, "volume_show", {{"volume_id", id}})["result"];
+  EXPECT_EQ(shown["status"], "error") << shown;
+  EXPECT_NE(shown["status_reason"].get<std::string>().find("backing is missing"), std::string::npos)
+      << shown;
+  // Back again (restored, say): attachable again.
+  ASSERT_FALSE(store_.create(id, 1u << 20));
+  update =
+      call(plane, "attachment_update",
+           {{"attachment_id", reserved}, {"connector", {{"host", "h"}, {"transport", "unix"}}}});
+  EXPECT_TRUE(update.contains("result")) << update;
+  shown = call(plane, "volume_show", {{"volume_id", id}})["result"];
+  EXPECT_EQ(shown["status"], "attaching") << shown;
+  EXPECT_TRUE(shown["status_reason"].is_null()) << shown;
 }
 
 // A full state directory is the caller's to fix, so it says no_space, not internal.

@@ -1,0 +1,88 @@
+// A request whose payload stops arriving is cut off after --payload-timeout-ms (issue 19):
+// before, a WRITE header that promised bytes it never sent held its connection, and the payload
+// memory reserved for it, for as long as the client lived.
+#include <signal.h>
+
+#include <chrono>
+#include <string>
+#include <thread>
+
+#include "tests/e2e_nbd_fixture.h"
+
+namespace shareblk::testing::e2e {
+namespace {
+
+class PayloadDeadlineTest : public E2eTest {
+ protected:
+  std::string deadline_socket() const { return dir_ / "deadline.sock"; }
+  std::unique_ptr<Daemon> start_with_deadline(const std::string& ms) {
+    return std::make_unique<Daemon>(
+        std::vector<std::string>{"--export", "disk=" + disk_, "--listen-unix", deadline_socket(),
+                                 "--workers", "1", "--payload-timeout-ms", ms},
+        deadline_socket());
+  }
+};
+
+TEST_F(PayloadDeadlineTest, AWriteWhosePayloadStopsIsCutOffWhileOthersAreServed) {
+  auto daemon = start_with_deadline("500");
+  Nbd other = open_nbd(deadline_socket(), "disk");  // on the same (only) worker
+  ASSERT_TRUE(other);
+  RawClient c(deadline_socket());
+  ASSERT_TRUE(handshake(c, "disk"));
+  ASSERT_TRUE(send_request(c, nbd::kCmdWrite, 1, 0, static_cast<uint32_t>(kMiB)));
+  ASSERT_TRUE(c.send_all(std::string(10, 'x')));  // of 1 MiB, and then nothing
+  const auto sent = std::chrono::steady_clock::now();
+
+  bool closed = false;
+  int served = 0;
+  while (!closed && std::chrono::steady_clock::now() - sent < 5s) {
+    closed = c.closed_by_server(50ms);
+    const std::string data = random_bytes(4096, static_cast<uint64_t>(served));
+    ASSERT_TRUE(nbd_write(other.get(), 8 * kMiB, data));
+    ASSERT_TRUE(same_bytes(nbd_read(other.get(), 8 * kMiB, data.size()), data));
+    ++served;
+  }
+  const auto waited = std::chrono::steady_clock::now() - sent;
+  ASSERT_TRUE(closed) << "the silent writer still holds its connection after 5 s";
+  EXPECT_GE(waited, 450ms);
+  EXPECT_LE(waited, 2s);
+  std::cout << "[ stats    ] cut off after "
+            << std::chrono::duration_cast<std::chrono::milliseconds>(waited).count()
+            << " ms; the other client was served " << served << " times meanwhile\n";
+  EXPECT_NE(daemon->log().find("sent none of a request's payload for 500 ms; cutting it off"),
+            std::string::npos)
+      << daemon->log();
+  // Nothing of the unfinished write reached the disk.
+  EXPECT_EQ(nbd_read(other.get(), 0, 4096), std::string(4096, '\0'));
+  other.reset();
+  EXPECT_EQ(daemon->stop(SIGTERM), 0) << daemon->log();
+}
+
+// The deadline is for a payload that stops, not for a slow one: every byte that arrives starts
+// it again, so a payload trickling in over several deadlines is taken whole.
+TEST_F(PayloadDeadlineTest, APayloadThatKeepsComingIsTakenWhole) {
+  auto daemon = start_with_deadline("500");
+  RawClient c(deadline_socket());
+  ASSERT_TRUE(handshake(c, "disk"));
+  const std::string data = random_bytes(64 * kKiB, 7);
+  ASSERT_TRUE(send_request(c, nbd::kCmdWrite, 1, 0, static_cast<uint32_t>(data.size())));
+  const size_t piece = data.size() / 8;
+  for (size_t at = 0; at < data.size(); at += piece) {  // 8 pieces over 2.1 s
+    if (at > 0) std::this_thread::sleep_for(300ms);
+    ASSERT_TRUE(c.send_all(data.substr(at, piece)));
+  }
+  SimpleReply reply;
+  ASSERT_TRUE(read_simple_reply(c, reply)) << daemon->log();
+  EXPECT_EQ(reply.cookie, 1u);
+  EXPECT_EQ(reply.error, 0u);
+  Nbd h = open_nbd(deadline_socket(), "disk");
+  ASSERT_TRUE(h);
+  EXPECT_TRUE(same_bytes(nbd_read(h.get(), 0, data.size()), data));
+  EXPECT_EQ(daemon->log().find("cutting it off"), std::string::npos) << daemon->log();
+  h.reset();
+  c.close();
+  EXPECT_EQ(daemon->stop(SIGTERM), 0) << daemon->log();
+}
+
+}  // namespace
+}  // namespace shareblk::testing::e2e
