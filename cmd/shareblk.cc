@@ -8,7 +8,7 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
-#include "control/printable.h"
+#include "text/printable.h"
 #include "rpc/client.h"
 
 namespace po = boost::program_options;
@@ -27,20 +27,20 @@ std::string ascii_json(const Json& v, int indent = -1) {
 }
 
 // A table cell. Strings come from callers (a volume's name, an instance_uuid, a host): escaped
-// by the daemon's log rule (control/printable.h), so that a newline, a tab or an ESC in one
+// by the daemon's log rule (text/printable.h), so that a newline, a tab or an ESC in one
 // cannot forge a row, shift a column or send the terminal a sequence.
 std::string text(const Json& v) {
   if (v.is_null()) return "-";
   if (v.is_string()) {
     const auto& s = v.get_ref<const std::string&>();
-    return shareblk::control::printable(s, s.size());
+    return shareblk::printable(s, s.size());
   }
   return ascii_json(v);
 }
 
 // A message from the daemon, which may quote a caller's strings.
 std::string escaped(const std::string& message) {
-  return shareblk::control::printable(message, message.size());
+  return shareblk::printable(message, message.size());
 }
 
 std::string human_size(uint64_t bytes) {

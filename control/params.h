@@ -11,7 +11,7 @@
 #include <string_view>
 
 #include "backend/backend.h"
-#include "control/printable.h"  // printable(): caller strings in log lines
+#include "text/printable.h"  // printable(): caller strings in log lines
 
 namespace shareblk::control {
 

@@ -30,6 +30,7 @@
 #include "target/target.h"
 #include "target/tls.h"
 #include "target/worker.h"
+#include "text/printable.h"
 
 namespace shareblk::target {
 
@@ -194,23 +195,6 @@ Peer peer_of(int fd, bool tcp) {
   return peer;
 }
 
-// `text` with control characters and bytes past ASCII as \xNN, at most 256 bytes of it.
-std::string escaped(const std::string& text) {
-  std::string out;
-  for (size_t i = 0; i < text.size() && i < 256; ++i) {
-    const auto c = static_cast<unsigned char>(text[i]);
-    if (c < 0x20 || c >= 0x7f || c == '\\') {
-      static constexpr char kHex[] = "0123456789abcdef";
-      out += "\\x";
-      out += kHex[c >> 4];
-      out += kHex[c & 15];
-    } else {
-      out += static_cast<char>(c);
-    }
-  }
-  return out;
-}
-
 // What the per-peer handshake limit counts by: the client's address over TCP, its uid over a
 // Unix socket ("" when unknown: all such clients count as one).
 std::string peer_key(int fd, bool tcp) {
@@ -261,9 +245,9 @@ std::string describe(const Peer& peer) {
   // Who TLS says it is: an identity or a DN is no secret (a key never comes here). Either
   // may hold any bytes: escaped, so that it cannot forge a log line.
   if (peer.tls && !peer.tls->psk_identity.empty()) {
-    text += " (TLS PSK identity " + escaped(peer.tls->psk_identity) + ")";
+    text += " (TLS PSK identity " + printable(peer.tls->psk_identity) + ")";
   } else if (peer.tls) {
-    text += " (TLS certificate " + escaped(peer.tls->x509_dn) + ")";
+    text += " (TLS certificate " + printable(peer.tls->x509_dn) + ")";
   }
   return text;
 }

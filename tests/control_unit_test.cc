@@ -774,7 +774,7 @@ TEST_F(ControlPlaneTest, CallerStringsAreBoundedNulFreeAndTyped) {
 // A caller's string cannot forge a log line: control characters are escaped, in names and in
 // the messages that quote them.
 TEST(Printable, EscapesWhatCouldForgeALogLine) {
-  using shareblk::control::printable;
+  using shareblk::printable;
   EXPECT_EQ(printable("vol-1"), "vol-1");
   EXPECT_EQ(printable("a\n[info] forged"), "a\\n[info] forged");
   EXPECT_EQ(printable(std::string("a\0b\x1b[31m\\", 9)), "a\\x00b\\x1b[31m\\\\");

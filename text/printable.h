@@ -1,12 +1,13 @@
-// A caller's string as it may be shown: in the daemon's log lines and in the CLI's tables. One
-// rule for both, header-only so that the CLI needs none of the control plane's libraries.
+// text: a caller's string as it may be shown, in the daemon's log lines (the control plane's
+// and the NBD target's) and in the CLI's tables. One rule for all, header-only so that every
+// part can use it without linking another.
 #pragma once
 
 #include <cstddef>
 #include <string>
 #include <string_view>
 
-namespace shareblk::control {
+namespace shareblk {
 
 // `text` with control characters and bytes past ASCII escaped (\n, \xNN) and the backslash
 // doubled, at most `max_bytes` of it (then "..."), so that a name cannot forge a line, a table
@@ -31,4 +32,4 @@ inline std::string printable(std::string_view text, size_t max_bytes = 256) {
   return out;
 }
 
-}  // namespace shareblk::control
+}  // namespace shareblk
