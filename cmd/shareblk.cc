@@ -8,8 +8,8 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
-#include "text/printable.h"
 #include "rpc/client.h"
+#include "text/printable.h"
 
 namespace po = boost::program_options;
 using Json = nlohmann::json;
