@@ -103,6 +103,9 @@ Connection::Connection(Worker& worker, int fd, Session session)
       rbuf_(new char[kRecvBufferSize]) {
   recv_done_.conn = this;
   send_done_.conn = this;
+  // Room for the most extents a reply can carry, taken once: how many there are depends on
+  // the volume's holes, and a vector grown on the I/O path would allocate there.
+  extents_.reserve(std::max(Request::kMaxExtents, Request::kMaxChunks) + 1);
 }
 
 Connection::~Connection() {

@@ -23,6 +23,9 @@ size_t keep_limit(uint32_t size) {
 }
 // Requests kept for reuse per worker.
 constexpr size_t kKeepRequests = 1024;
+// Requests made when the worker starts: as many as one connection may have in flight, so that
+// a burst up to that depth is served without an allocation on the I/O path (~2 KiB each).
+constexpr size_t kPreparedRequests = 256;
 
 // Clients cut off: a line a second per reason, for every worker together.
 RateLimitedLog& cut_off_log() {
@@ -107,6 +110,8 @@ Worker::Worker(ConnectionRegistry& registry, uint64_t payload_budget,
       send_timeout_(send_timeout),
       payload_timeout_(payload_timeout) {
   wakeup_.worker = this;
+  free_requests_.reserve(kKeepRequests);  // put_request() never grows it
+  for (size_t i = 0; i < kPreparedRequests; ++i) free_requests_.push_back(new Request());
 }
 
 Worker::~Worker() {
