@@ -3,7 +3,8 @@
 Contract: `JOBS` is the catalogue of jobs (`--jobs` names, what fio is asked to do).
 `run_transport` starts every selected server on one transport, runs every job against every
 server in a rotating order for each round, restarts a server that stopped (at most 3 times)
-and reruns the job it lost, and stops all it started in a finally block. Each result goes
+and reruns the job it lost, and stops all it started in a finally block; `ServerPool` is that
+starting, restarting and rerunning, shared with compare-tls. Each result goes
 through `record`, into `Context.results` (or `Context.failures`). How one run is measured is
 `measure`'s business; how results are compared is `report`'s.
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import shlex
 from dataclasses import dataclass
+from typing import Callable
 
 from .context import Context, Result, log
 from .frontends import Frontend
@@ -77,6 +79,68 @@ def record(ctx: Context, res: Result) -> None:
                             + (f"  \n  command: `{res.fio_cmd}`" if res.fio_cmd else ""))
 
 
+class ServerPool:
+    """The servers of one transport: started by MAKE(name), each logged and passed to STARTED
+    (which may raise StartError); one that stops is restarted, at most 3 times."""
+
+    def __init__(self, ctx: Context, transport: str, make: Callable[[str], Server],
+                 started: Callable[[str, Server], None] = lambda name, srv: None):
+        self.ctx, self.transport, self.make, self.on_started = ctx, transport, make, started
+        self.running: dict[str, Server] = {}
+        self.restarts: dict[str, int] = {}
+
+    def launch(self, name: str) -> None:
+        srv = self.make(name)
+        try:
+            srv.start()
+            self.running[name] = srv
+            log(f"  started {name} pid {srv.pid}: {shlex.join(srv.cmd)}")
+            self.on_started(name, srv)
+        except (StartError, OSError) as e:
+            srv.stop()
+            self.running.pop(name, None)
+            msg = f"{name} / {self.transport}: failed to start: {e}"
+            log("  " + msg)
+            self.ctx.failures.append(msg + f"  \n  command: `{shlex.join(srv.cmd)}`")
+
+    def ensure(self, name: str, job: Job) -> Server | None:
+        """The running server NAME; restarted (at most 3 times) if it has stopped."""
+        srv = self.running.get(name)
+        if srv is None or srv.alive():
+            return srv
+        why, outside = srv.exit_reason()
+        srv.stop()
+        del self.running[name]
+        msg = f"{name} / {self.transport} stopped before or during {job.name}: {why}"
+        if outside:
+            self.ctx.notes.append(msg + " (stopped from outside this script; restarted)")
+        else:
+            self.ctx.failures.append(msg)
+        log("  " + msg)
+        if self.restarts.get(name, 0) >= 3:
+            return None
+        self.restarts[name] = self.restarts.get(name, 0) + 1
+        self.launch(name)
+        return self.running.get(name)
+
+    def run(self, name: str, job: Job, rnd: int) -> Result | None:
+        """JOB on server NAME; if the server died under it, restarted and run once more."""
+        srv = self.ensure(name, job)
+        if srv is None:
+            return None
+        res = run_fio(self.ctx, job, srv, self.transport, rnd)
+        if not res.ok and not srv.alive():
+            log(f"    {name} FAILED ({res.error}); restarting, running again")
+            srv = self.ensure(name, job)
+            if srv is not None:
+                res = run_fio(self.ctx, job, srv, self.transport, rnd)
+        return res
+
+    def stop(self) -> None:
+        for srv in self.running.values():
+            srv.stop()
+
+
 def run_transport(ctx: Context, transport: str, jobs: list[Job], servers: list[str],
                   with_fuse: bool) -> None:
     """Runs every job on TRANSPORT. shareblk-fuse has no transport: it runs with the first
@@ -88,48 +152,17 @@ def run_transport(ctx: Context, transport: str, jobs: list[Job], servers: list[s
     tmpfs_jobs = [j for j in jobs if j.tmpfs]
     needed = [s for s in servers if s != "local" and (
         (SERVERS[s][0] != "tmpfs" and file_jobs) or (SERVERS[s][0] == "tmpfs" and tmpfs_jobs))]
-    started: dict[str, Server] = {}
-    restarts: dict[str, int] = {}
 
-    def launch(name: str) -> None:
-        srv = make_server(name, transport, ctx)
-        try:
-            srv.start()
-            if name == "nbdkit-memory":
-                prefill(ctx, srv)
-            started[name] = srv
-            log(f"  started {name} pid {srv.pid}: {shlex.join(srv.cmd)}")
-            if isinstance(srv, Frontend) and not srv.fuse:
-                log(f"    its shareblkd pid {srv.daemon.pid}: {shlex.join(srv.daemon.cmd)}")
-        except (StartError, OSError) as e:
-            srv.stop()
-            msg = f"{name} / {transport}: failed to start: {e}"
-            log("  " + msg)
-            ctx.failures.append(msg + f"  \n  command: `{shlex.join(srv.cmd)}`")
+    def started(name: str, srv: Server) -> None:
+        if name == "nbdkit-memory":
+            prefill(ctx, srv)
+        if isinstance(srv, Frontend) and not srv.fuse:
+            log(f"    its shareblkd pid {srv.daemon.pid}: {shlex.join(srv.daemon.cmd)}")
 
-    def ensure(name: str, job: Job) -> Server | None:
-        """The running server NAME; restarted (at most 3 times) if it has stopped."""
-        srv = started.get(name)
-        if srv is None or srv.alive():
-            return srv
-        why, outside = srv.exit_reason()
-        srv.stop()
-        del started[name]
-        msg = f"{name} / {transport} stopped before or during {job.name}: {why}"
-        if outside:
-            ctx.notes.append(msg + " (stopped from outside this script; restarted)")
-        else:
-            ctx.failures.append(msg)
-        log("  " + msg)
-        if restarts.get(name, 0) >= 3:
-            return None
-        restarts[name] = restarts.get(name, 0) + 1
-        launch(name)
-        return started.get(name)
-
+    pool = ServerPool(ctx, transport, lambda name: make_server(name, transport, ctx), started)
     try:
         for name in needed:
-            launch(name)
+            pool.launch(name)
         for rnd in range(ctx.args.rounds):
             for i, job in enumerate(j for j in jobs if not j.memory):
                 if job.tmpfs:
@@ -144,17 +177,9 @@ def run_transport(ctx: Context, transport: str, jobs: list[Job], servers: list[s
                     if name == "local":
                         record(ctx, run_fio(ctx, job, "local", transport, rnd))
                         continue
-                    srv = ensure(name, job)
-                    if srv is None:
-                        continue
-                    res = run_fio(ctx, job, srv, transport, rnd)
-                    if not res.ok and not srv.alive():
-                        # Died under the job: restart and run the job once more.
-                        log(f"    {name} FAILED ({res.error}); restarting, running again")
-                        srv = ensure(name, job)
-                        if srv is not None:
-                            res = run_fio(ctx, job, srv, transport, rnd)
-                    record(ctx, res)
+                    res = pool.run(name, job, rnd)
+                    if res is not None:
+                        record(ctx, res)
         if any(j.memory for j in jobs) and "shareblkd" in servers:
             log("  idle256: 256 idle connections to a fresh shareblkd")
             res = idle_connections(ctx, transport)
@@ -164,5 +189,4 @@ def run_transport(ctx: Context, transport: str, jobs: list[Job], servers: list[s
                 res = idle_connections(ctx, transport)
             record(ctx, res)
     finally:
-        for srv in started.values():
-            srv.stop()
+        pool.stop()

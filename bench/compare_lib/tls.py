@@ -27,8 +27,8 @@ import time
 from pathlib import Path
 
 from .context import MIB, REPO, Context, Result, human_size, log, parse_size
-from .jobs import JOB_BY_NAME, Job, record
-from .measure import ensure_backing, run_fio
+from .jobs import JOB_BY_NAME, Job, ServerPool, record
+from .measure import ensure_backing
 from .procs import StartError, run_cmd, tool_version
 from .servers import EXPORT, Server
 
@@ -179,70 +179,36 @@ def fio_client_cpu(ctx: Context, job: str, transport: str, server: str, rnd: int
 def run_transport(ctx: Context, transport: str, jobs: list[Job], servers: list[str],
                   tls: TlsSetup, client_cpu: dict, ciphers: dict) -> None:
     log(f"=== transport {transport} ===")
-    started: dict[str, TlsServer] = {}
-    restarts: dict[str, int] = {}
 
-    def launch(name: str) -> None:
-        srv = TlsServer(name, transport, ctx, tls)
-        try:
-            srv.start()
-            started[name] = srv
-            log(f"  started {name} pid {srv.pid}: {shlex.join(srv.cmd)}")
-            if srv.tls:
-                srv.cipher = srv.probe_cipher()
-                ciphers[(transport, name)] = srv.cipher
-                log(f"    fio's libnbd negotiated: {srv.cipher}")
-                if "GCM" not in srv.cipher:
-                    ctx.failures.append(f"{name} / {transport}: negotiated {srv.cipher!r}, "
-                                        "not AES-GCM")
-        except (StartError, OSError) as e:
-            srv.stop()
-            msg = f"{name} / {transport}: failed to start: {e}"
-            log("  " + msg)
-            ctx.failures.append(msg + f"  \n  command: `{shlex.join(srv.cmd)}`")
+    def started(name: str, srv: TlsServer) -> None:
+        if srv.tls:
+            srv.cipher = srv.probe_cipher()
+            ciphers[(transport, name)] = srv.cipher
+            log(f"    fio's libnbd negotiated: {srv.cipher}")
+            if "GCM" not in srv.cipher:
+                ctx.failures.append(f"{name} / {transport}: negotiated {srv.cipher!r}, "
+                                    "not AES-GCM")
 
-    def ensure(name: str, job: Job) -> TlsServer | None:
-        srv = started.get(name)
-        if srv is None or srv.alive():
-            return srv
-        why, outside = srv.exit_reason()
-        srv.stop()
-        del started[name]
-        msg = f"{name} / {transport} stopped before or during {job.name}: {why}"
-        (ctx.notes if outside else ctx.failures).append(msg + (" (restarted)" if outside else ""))
-        log("  " + msg)
-        if restarts.get(name, 0) >= 3:
-            return None
-        restarts[name] = restarts.get(name, 0) + 1
-        launch(name)
-        return started.get(name)
-
+    pool = ServerPool(ctx, transport, lambda name: TlsServer(name, transport, ctx, tls), started)
     try:
         for name in servers:
-            launch(name)
+            pool.launch(name)
         for rnd in range(ctx.args.rounds):
             for i, job in enumerate(jobs):
                 k = (i + rnd) % len(servers)
                 order = servers[k:] + servers[:k]
                 log(f"  {job.name} ({job.title}), round {rnd + 1}/{ctx.args.rounds}")
                 for name in order:
-                    srv = ensure(name, job)
-                    if srv is None:
+                    res = pool.run(name, job, rnd)
+                    if res is None:
                         continue
-                    res = run_fio(ctx, job, srv, transport, rnd)
-                    if not res.ok and not srv.alive():
-                        log(f"    {name} FAILED ({res.error}); restarting, running again")
-                        srv = ensure(name, job)
-                        if srv is not None:
-                            res = run_fio(ctx, job, srv, transport, rnd)
                     record(ctx, res)
                     if res.ok:
                         c = fio_client_cpu(ctx, job.name, transport, name, rnd)
                         if c is not None:
                             client_cpu.setdefault((job.name, transport, name), []).append(c)
     finally:
-        for srv in started.values():
-            srv.stop()
+        pool.stop()
 
 
 def median_of(runs: list[Result]) -> Result | None:
