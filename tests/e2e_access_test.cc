@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "tests/control_client.h"
+#include "tests/managed_daemon.h"
 #include "tests/nbd_client.h"
 #include "tests/support.h"
 
@@ -22,33 +23,9 @@ using Json = nlohmann::json;
 
 constexpr uid_t kNobody = 65534;
 
-class AccessTest : public ::testing::Test {
+class AccessTest : public st::ManagedDaemonTest {
  protected:
-  void TearDown() override {
-    if (!daemon_) return;
-    EXPECT_EQ(daemon_->stop(SIGTERM), 0) << daemon_->log();
-  }
-  void start(const std::vector<std::string>& extra = {}) {
-    if (daemon_) daemon_->stop(SIGTERM);
-    std::vector<std::string> args{
-        "--state-dir",  dir_.path().string(), "--listen-unix", nbd_socket(),
-        "--listen-tcp", "127.0.0.1:0",        "--workers",     "1"};
-    args.insert(args.end(), extra.begin(), extra.end());
-    daemon_ = std::make_unique<st::Daemon>(args, control());
-  }
-  std::string control() const { return dir_ / "shareblk.sock"; }
-  // Outside the state directory, which is the daemon's alone (0700).
-  std::string nbd_socket() const { return socket_dir_ / "nbd.sock"; }
-
-  std::string create_volume() {
-    return st::rpc_ok(control(), "volume_create",
-                      {{"name", "v"}, {"size", "1M"}, {"multiattach", true}})["id"];
-  }
-  Json attach(const std::string& volume, const std::string& instance, const Json& connector) {
-    return st::rpc_ok(
-        control(), "attachment_create",
-        {{"volume_id", volume}, {"instance_uuid", instance}, {"connector", connector}});
-  }
+  std::string create_volume() { return ManagedDaemonTest::create_volume("1M"); }
   static std::string name_of(const Json& a) { return a["connection_info"]["data"]["export_name"]; }
   static std::string uri_of(const Json& a) { return a["connection_info"]["data"]["uri"]; }
 
@@ -58,10 +35,6 @@ class AccessTest : public ::testing::Test {
     st::NbdHandle h = st::nbd_connect(uri, &err);
     return h ? 0 : err;
   }
-
-  st::TempDir dir_;
-  st::TempDir socket_dir_;
-  std::unique_ptr<st::Daemon> daemon_;
 };
 
 TEST_F(AccessTest, AnAttachmentIsServedOnlyOnItsConnectorsTransport) {

@@ -326,18 +326,6 @@ std::string requests_as_payload(size_t length) {
   return payload;
 }
 
-int logged_tcp_port(const Daemon& daemon, const std::string& address) {
-  const std::string marker = "listening on tcp:" + address + ":";
-  const auto deadline = std::chrono::steady_clock::now() + 5s;
-  while (std::chrono::steady_clock::now() < deadline) {
-    const std::string log = daemon.log();
-    const size_t at = log.find(marker);
-    if (at != std::string::npos) return std::atoi(log.c_str() + at + marker.size());
-    std::this_thread::sleep_for(10ms);
-  }
-  return 0;
-}
-
 // --- The fixture ---
 
 void E2eTest::SetUp() {

@@ -154,8 +154,7 @@ bool read_simple_reply(RawClient& c, SimpleReply& reply,
 inline constexpr uint64_t kBogusCookie = 0xbadc00c1e;
 std::string requests_as_payload(size_t length);
 
-// The port `daemon` picked for ADDRESS:0, from its log; 0 when it never said.
-int logged_tcp_port(const Daemon& daemon, const std::string& address);
+using testing::logged_tcp_port;  // tests/support.h
 
 // --- The fixture ---
 

@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "tests/control_client.h"
+#include "tests/managed_daemon.h"
 #include "tests/support.h"
 
 namespace {
@@ -130,7 +131,7 @@ std::string info_payload(const std::string& name) {
   return data;
 }
 
-class TlsTest : public ::testing::Test {
+class TlsTest : public st::ManagedDaemonTest {
  protected:
   void SetUp() override {
     SHAREBLK_REQUIRE(st::have_program("nbdinfo") && st::have_program("nbdcopy"),
@@ -140,37 +141,17 @@ class TlsTest : public ::testing::Test {
   }
   void TearDown() override {
     if (!daemon_) return;
-    EXPECT_EQ(daemon_->stop(SIGTERM), 0) << daemon_->log();
+    ManagedDaemonTest::TearDown();
     // No key and no export name in any log line.
     const std::string log = daemon_->log();
     for (const std::string& secret : secrets_) {
       EXPECT_EQ(log.find(secret), std::string::npos) << "a secret was logged: " << secret;
     }
   }
-  void start(const std::vector<std::string>& extra) {
-    if (daemon_) daemon_->stop(SIGTERM);
-    std::vector<std::string> args{
-        "--state-dir",  dir_.path().string(), "--listen-unix", nbd_socket(),
-        "--listen-tcp", "127.0.0.1:0",        "--workers",     "1"};
-    args.insert(args.end(), extra.begin(), extra.end());
-    daemon_ = std::make_unique<st::Daemon>(args, control());
-  }
-  std::string control() const { return dir_ / "shareblk.sock"; }
-  std::string nbd_socket() const { return socket_dir_ / "nbd.sock"; }
-  std::string tcp_port() const {
-    const std::string log = daemon_->log();
-    const size_t at = log.find("listening on tcp:127.0.0.1:");
-    return log.substr(at + 27, log.find('\n', at) - at - 27);
-  }
-
-  std::string create_volume() {
-    return st::rpc_ok(control(), "volume_create",
-                      {{"name", "v"}, {"size", "8M"}, {"multiattach", true}})["id"];
-  }
+  std::string create_volume() { return ManagedDaemonTest::create_volume("8M"); }
+  // Its export name and key join the secrets no log line may hold.
   Json attach(const std::string& volume, const std::string& instance, const Json& connector) {
-    Json a =
-        st::rpc_ok(control(), "attachment_create",
-                   {{"volume_id", volume}, {"instance_uuid", instance}, {"connector", connector}});
+    Json a = ManagedDaemonTest::attach(volume, instance, connector);
     const Json& data = a["connection_info"]["data"];
     secrets_.push_back(data["export_name"]);
     if (data.contains("tls_psk_key")) secrets_.push_back(data["tls_psk_key"]);
@@ -198,7 +179,7 @@ class TlsTest : public ::testing::Test {
     if (a["connector"]["transport"] == "unix") {
       opts += ",server.type=unix,server.path=" + nbd_socket();
     } else {
-      opts += ",server.type=inet,server.host=127.0.0.1,server.port=" + tcp_port();
+      opts += ",server.type=inet,server.host=127.0.0.1,server.port=" + std::to_string(tcp_port());
     }
     opts += extra_opts;
     std::vector<std::string> argv{"qemu-io", "--object", creds, "--image-opts", opts};
@@ -209,10 +190,7 @@ class TlsTest : public ::testing::Test {
     return st::run(argv, std::chrono::seconds(60));
   }
 
-  st::TempDir dir_;
-  st::TempDir socket_dir_;
   st::TempDir scratch_;
-  std::unique_ptr<st::Daemon> daemon_;
   std::vector<std::string> secrets_;
 };
 
@@ -298,7 +276,7 @@ TEST_F(TlsTest, TheClearTextAnotherAttachmentsKeyAndAWrongKeyAreRefused) {
   const Json plain = attach(volume, "i-3", {{"host", "c"}, {"transport", "tcp"}});
   const std::string victim_uri = data_of(victim)["uri"];
   const std::string name = data_of(victim)["export_name"];
-  const std::string base = "127.0.0.1:" + tcp_port() + "/";
+  const std::string base = "127.0.0.1:" + std::to_string(tcp_port()) + "/";
 
   // 1. The name alone, in the clear: NBD_REP_ERR_TLS_REQD (SELECTIVETLS), nothing served.
   st::RunResult clear = st::run({"nbdinfo", "nbd://" + base + name});

@@ -202,4 +202,16 @@ std::string Daemon::log() const {
   return s.str();
 }
 
+int logged_tcp_port(const Daemon& daemon, const std::string& address) {
+  const std::string marker = "listening on tcp:" + address + ":";
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+  while (std::chrono::steady_clock::now() < deadline) {
+    const std::string log = daemon.log();
+    const size_t at = log.find(marker);
+    if (at != std::string::npos) return std::atoi(log.c_str() + at + marker.size());
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  return 0;
+}
+
 }  // namespace shareblk::testing

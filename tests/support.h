@@ -82,4 +82,8 @@ class Daemon {
 
 bool wait_for_socket(const std::string& path, std::chrono::milliseconds timeout);
 
+// The port `daemon` picked for ADDRESS:0, from its log (waiting up to 5 s for the line); 0
+// when it never said.
+int logged_tcp_port(const Daemon& daemon, const std::string& address);
+
 }  // namespace shareblk::testing
