@@ -14,8 +14,8 @@
 // connector says, and a fuzzer must not mount over the machine's directories.
 //
 // Every reply must be JSON-RPC 2.0: one response per request that is not a notification, each
-// with a usable id, a result or an error with a documented code and reason, and "internal"
-// only when the input made the store fail. After the input, its volumes and attachments are
+// with a usable id, a result or an error with a documented code and reason, and "internal" or
+// "volume_error" only when the input made the store fail. After the input, its volumes and attachments are
 // deleted through the API, which must succeed and leave nothing behind (no row, no backing, no
 // volume lock, no subscription): the next input starts from where this one did.
 // CONTROL_FUZZ_TRACE=1 in the environment prints each line and its reply.
@@ -109,7 +109,7 @@ Environment& environment() {
 // What earlier lines of this input made, for the @ placeholders.
 struct Made {
   std::vector<std::string> volumes, attachments, exports;
-  bool store_failed = false;  // a "!" line ran: "internal" is then a fair answer
+  bool store_failed = false;  // a "!" line ran: "internal" and "volume_error" are then fair
 };
 
 void substitute(std::string& line, const Made& made) {
@@ -233,7 +233,8 @@ void check_response(const Json& r, const std::string& reply, Made& made) {
                                               "duplicate_attachment",
                                               "policy_denied",
                                               "invalid_state",
-                                              "no_space"};
+                                              "no_space",
+                                              "volume_error"};
   if (!r.is_object() || r.size() != 3 || r.value("jsonrpc", Json()) != "2.0") {
     fail("a response that is not JSON-RPC 2.0", reply);
   }
@@ -269,8 +270,10 @@ void check_response(const Json& r, const std::string& reply, Made& made) {
   if (code != control::code_for(reason) && !framing && !no_method) {
     fail("a code that is not its reason's", reply);
   }
-  if (reason == "internal" && !made.store_failed) {
-    fail("\"internal\" without a store failure", reply);
+  // Both need the store to have failed: a store error, or a delete it left unfinished (the
+  // volume's status is then error, and attaching it is refused with volume_error).
+  if ((reason == "internal" || reason == "volume_error") && !made.store_failed) {
+    fail("\"" + reason + "\" without a store failure", reply);
   }
 }
 
