@@ -6,8 +6,10 @@
 //   - capabilities(): what an attachment may do (read-only, trim, zero, fast zero, flush, FUA,
 //     multi-conn, block status, cache). The NBD handshake, the nbdkit plugin's can_* callbacks
 //     and FUSE's file mode all come from it.
-//   - Handle::admit(): whether one request may run (read-only, range, flags). Every request of
-//     either engine passes it first, so no frontend can forget it.
+//   - Handle::admit(): whether one request may run (read-only, write access, range, flags).
+//     Every request of either engine passes it first, so no frontend can forget it.
+// A third lives in WriteAccess: the fence that moves write access between the attachments of
+// a single-writer volume, and that a live change to read-only closes.
 // A request then runs as steps that dispatch.h maps from the op to system calls, the same for
 // the synchronous engine (Handle::execute, for FUSE and nbdkit; sync.cc) and the io_uring one
 // (Ring, for the NBD workers; ring.cc).
@@ -153,6 +155,50 @@ class Volume {
   std::atomic<size_t> segment_count_{0};
 };
 
+// Whether one attachment may change the volume now (docs/fencing.md). Shared by every Handle of
+// the attachment, in every frontend and thread. A change (write, trim, write-zeroes) enters
+// when it is admitted and leaves when its last step has completed; revoke() closes the gate
+// and returns only once every change that entered has left. So when revoke() returns, no
+// change of this attachment is running, and none will start until grant(): NVMe's
+// preempt-and-abort guarantee, which the Linux target gives the same way (it waits for the
+// preempted host's commands instead of aborting them).
+class WriteAccess {
+ public:
+  explicit WriteAccess(bool granted) : granted_(granted) {}
+  WriteAccess(const WriteAccess&) = delete;
+  WriteAccess& operator=(const WriteAccess&) = delete;
+
+  bool granted() const { return granted_.load(std::memory_order_seq_cst); }
+  void grant() { granted_.store(true, std::memory_order_seq_cst); }
+  // Closes the gate, then waits for the changes in flight: a change stuck in the kernel holds
+  // it up (the engines have no way to abort one that has started).
+  void revoke();
+  // Changes admitted and not yet finished (for tests and logs).
+  uint32_t in_flight() const { return in_flight_.load(std::memory_order_seq_cst); }
+
+  // For the engines, once per change: enter() says whether it may start, and counts it if so;
+  // leave() once it is done. Sequentially consistent on both sides, so that a change either
+  // sees the gate closed or is seen by revoke() as in flight.
+  bool enter() {
+    in_flight_.fetch_add(1, std::memory_order_seq_cst);
+    if (granted_.load(std::memory_order_seq_cst)) return true;
+    leave();
+    return false;
+  }
+  void leave() {
+    if (in_flight_.fetch_sub(1, std::memory_order_seq_cst) == 1) in_flight_.notify_all();
+  }
+
+ private:
+  std::atomic<bool> granted_;
+  std::atomic<uint32_t> in_flight_{0};  // 32 bits: a futex waits on it directly
+};
+
+// Whether `op` changes the volume's bytes: what a read-only attachment and WriteAccess refuse.
+inline bool is_change(Op op) {
+  return op == Op::Write || op == Op::Trim || op == Op::WriteZeroes;
+}
+
 // What an attachment may do: computed once, by capabilities(), for every frontend. Each frontend
 // maps it to its own terms (NBD transmission flags, nbdkit's can_* answers, a FUSE file mode).
 // trim, zero and fast_zero are false exactly when read_only is true, so Handle::admit()'s EPERM
@@ -202,11 +248,15 @@ struct Extent {
 class Handle {
  public:
   Handle() = default;
-  Handle(std::shared_ptr<Volume> volume, AttachMode mode)
-      : volume_(std::move(volume)), mode_(mode) {}
+  // `access`: the attachment's write access; nullptr for an export that always has it (the
+  // standalone --export table) when `mode` is read-write.
+  Handle(std::shared_ptr<Volume> volume, AttachMode mode,
+         std::shared_ptr<WriteAccess> access = nullptr)
+      : volume_(std::move(volume)), mode_(mode), access_(std::move(access)) {}
 
   // The single admission rule, for every frontend and both engines: 0, or, in this order,
-  //   EPERM  a write, trim or write-zeroes through a read-only attachment (capabilities());
+  //   EPERM  a write, trim or write-zeroes through a read-only attachment (capabilities()),
+  //          or through one that does not hold write access now (WriteAccess);
   //   EINVAL a flag the operation does not take (kFua: every operation, as NBD allows it on
   //          every command; kNoHole, kFastZero: WriteZeroes only);
   //   ENOSPC a write or write-zeroes reaching past the end (NBD "Error values");
@@ -215,6 +265,15 @@ class Handle {
 
   const std::shared_ptr<Volume>& volume() const { return volume_; }
   AttachMode mode() const { return mode_; }
+  const std::shared_ptr<WriteAccess>& write_access() const { return access_; }
+
+  // For the engines, around every request admit() let through: enter() counts a change in
+  // the attachment's WriteAccess (false: it was revoked since admit(), so EPERM), leave()
+  // once its last step completed.
+  bool enter(Op op) const { return !access_ || !is_change(op) || access_->enter(); }
+  void leave(Op op) const {
+    if (access_ && is_change(op)) access_->leave();
+  }
   Capabilities capabilities() const { return backend::capabilities(*volume_, mode_); }
   // The attachment is read-only, or the volume could only be opened read-only.
   bool read_only() const { return !volume_ || backend::capabilities(*volume_, mode_).read_only; }
@@ -244,6 +303,7 @@ class Handle {
  private:
   std::shared_ptr<Volume> volume_;
   AttachMode mode_ = AttachMode::ReadOnly;
+  std::shared_ptr<WriteAccess> access_;
 };
 
 // Where a request is among its steps (backend/dispatch.h); kept by the engine that runs it.

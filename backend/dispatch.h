@@ -65,12 +65,18 @@ struct Step {
 // when the request has steps to run, else its result (0 or errno). Resets `cursor`.
 inline constexpr int kMoreSteps = -1;
 
+// A request that begin() started (kMoreSteps) must be ended with end() once it has its result.
 inline int begin(const Handle& handle, const Work& work, DispatchCursor& cursor) {
   if (int err = handle.admit(work.op, work.offset, work.length, work.flags)) return err;
   // Nothing to move; and fallocate and fadvise would read a length of 0 as "to EOF".
   if (work.length == 0 && work.op != Op::Flush) return 0;
+  if (!handle.enter(work.op)) return EPERM;  // write access revoked since admit()
   cursor = DispatchCursor{};
   return kMoreSteps;
+}
+
+inline void end(const Handle& handle, const Work& work) {
+  handle.leave(work.op);
 }
 
 // The fallocate(2) mode that carries out a trim or write-zeroes on this volume.

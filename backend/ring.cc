@@ -121,6 +121,7 @@ void Ring::start(IoRequest* r) {
   Volume& v = *r->handle_->volume();
   Step step{};
   if (int err = next_step(v, work_of(*r), r->cursor_, step)) {
+    end(*r->handle_, work_of(*r));
     r->done(err);
     return;
   }
@@ -172,6 +173,7 @@ void IoRequest::complete(int res) {
   if (result == kMoreSteps) {
     ring_->start(this);
   } else {
+    end(*handle_, work_of(*this));
     done(result);
   }
 }

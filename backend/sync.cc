@@ -87,17 +87,22 @@ int Handle::execute(Op op, void* buf, uint64_t length, uint64_t offset, uint32_t
   Volume& volume = *volume_;
   char* bounce =
       (op == Op::Read || op == Op::Write) ? bounce_for(volume, buf, length, offset) : nullptr;
-  if (bounce == nullptr) return run(volume, work);
-  // The same request in bounce-sized pieces, each admitted above as part of the whole.
-  for (uint64_t done = 0; done < length;) {
-    const uint64_t n = std::min(length - done, kBounceSize);
-    char* p = static_cast<char*>(buf) + done;
-    if (op == Op::Write) std::memcpy(bounce, p, n);
-    if (int err = run(volume, Work{op, flags, offset + done, n, bounce})) return err;
-    if (op == Op::Read) std::memcpy(p, bounce, n);
-    done += n;
+  int err = 0;
+  if (bounce == nullptr) {
+    err = run(volume, work);
+  } else {
+    // The same request in bounce-sized pieces, each admitted above as part of the whole.
+    for (uint64_t done = 0; done < length && err == 0;) {
+      const uint64_t n = std::min(length - done, kBounceSize);
+      char* p = static_cast<char*>(buf) + done;
+      if (op == Op::Write) std::memcpy(bounce, p, n);
+      err = run(volume, Work{op, flags, offset + done, n, bounce});
+      if (err == 0 && op == Op::Read) std::memcpy(p, bounce, n);
+      done += n;
+    }
   }
-  return 0;
+  end(*this, work);
+  return err;
 }
 
 }  // namespace shareblk::backend

@@ -245,22 +245,31 @@ Volume::Location Volume::locate(uint64_t offset, uint64_t length, const void* bu
   return {aligned ? device->direct_fd : device->buffered_fd, at, length};
 }
 
+void WriteAccess::revoke() {
+  granted_.store(false, std::memory_order_seq_cst);
+  for (uint32_t n = in_flight_.load(std::memory_order_seq_cst); n != 0;
+       n = in_flight_.load(std::memory_order_seq_cst)) {
+    in_flight_.wait(n, std::memory_order_seq_cst);
+  }
+}
+
 int Handle::admit(Op op, uint64_t offset, uint64_t length, uint32_t flags) const {
   if (!volume_) return EINVAL;
   const uint64_t size = volume_->size();
   const bool in_range = offset <= size && length <= size - offset;
   // Per op: the read-only rule (capabilities()), then the flags it takes, then the range.
+  const bool may_change = !read_only() && (!access_ || access_->granted());
   switch (op) {
     case Op::Write:
-      if (read_only()) return EPERM;
+      if (!may_change) return EPERM;
       if (flags & ~uint32_t{kFua}) return EINVAL;
       return in_range ? 0 : ENOSPC;
     case Op::WriteZeroes:
-      if (read_only()) return EPERM;
+      if (!may_change) return EPERM;
       if (flags & ~uint32_t{kFua | kNoHole | kFastZero}) return EINVAL;
       return in_range ? 0 : ENOSPC;
     case Op::Trim:
-      if (read_only()) return EPERM;
+      if (!may_change) return EPERM;
       if (flags & ~uint32_t{kFua}) return EINVAL;
       return in_range ? 0 : EINVAL;
     // FUA is allowed on every command (NBD proto.md, "Command flags"); where nothing is

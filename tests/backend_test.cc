@@ -6,6 +6,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <climits>
 #include <cstdint>
@@ -257,6 +258,84 @@ TEST_F(BackendTest, ReadOnlyRefusesEveryWrite) {
   EXPECT_EQ(ro_.admit(Op::Flush, 0, 0), 0);
   EXPECT_TRUE(ro_.read_only());
   EXPECT_FALSE(rw_.read_only());
+}
+
+// A handle whose WriteAccess is revoked refuses every change as a read-only one does, reads
+// on, and its capabilities still say read-write (a standby is advertised read-write).
+TEST_F(BackendTest, WithoutWriteAccessEveryChangeIsRefused) {
+  auto access = std::make_shared<backend::WriteAccess>(false);
+  const Handle standby(volume_, AttachMode::ReadWrite, access);
+  EXPECT_FALSE(standby.read_only());
+  AlignedBuffer buf(4096);
+  std::memset(buf.data(), 0x5a, 4096);
+  EXPECT_EQ(standby.write(buf.data(), 4096, 0, 0), EPERM);
+  EXPECT_EQ(standby.trim(4096, 0, 0), EPERM);
+  EXPECT_EQ(standby.write_zeroes(4096, 0, 0), EPERM);
+  EXPECT_EQ(standby.admit(Op::Write, 0, 0), EPERM);
+  EXPECT_EQ(standby.read(buf.data(), 4096, 0), 0);
+  EXPECT_EQ(standby.flush(), 0);
+  EXPECT_EQ(on_disk(0, 4096), std::string(4096, '\xab'));
+  access->grant();
+  std::memset(buf.data(), 0x5a, 4096);
+  EXPECT_EQ(standby.write(buf.data(), 4096, 0, 0), 0);
+  EXPECT_EQ(on_disk(0, 4096), std::string(4096, '\x5a'));
+  EXPECT_EQ(access->in_flight(), 0u);
+}
+
+// revoke() returns only once the changes that entered have left; none enters after it.
+TEST(WriteAccess, RevokeWaitsForTheChangesInFlight) {
+  backend::WriteAccess access(true);
+  ASSERT_TRUE(access.enter());
+  ASSERT_TRUE(access.enter());
+  std::atomic<bool> revoked{false};
+  std::thread fence([&] {
+    access.revoke();
+    revoked = true;
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  EXPECT_FALSE(revoked.load()) << "revoke() returned with two changes in flight";
+  EXPECT_FALSE(access.enter()) << "a change entered a gate being revoked";
+  access.leave();
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  EXPECT_FALSE(revoked.load());
+  access.leave();
+  fence.join();
+  EXPECT_TRUE(revoked.load());
+  EXPECT_EQ(access.in_flight(), 0u);
+  EXPECT_FALSE(access.granted());
+}
+
+// Two attachments, write access moving between them as fast as it can while each hammers its
+// gate: no change of one is ever admitted while a change of the other is in flight.
+TEST(WriteAccess, TwoGatesAreNeverOpenTogether) {
+  backend::WriteAccess a(true), b(false);
+  std::atomic<int> active[2] = {0, 0};
+  std::atomic<bool> stop{false};
+  std::atomic<uint64_t> overlaps{0}, admitted{0};
+  auto hammer = [&](backend::WriteAccess& gate, int me) {
+    while (!stop.load(std::memory_order_relaxed)) {
+      if (!gate.enter()) continue;
+      active[me].fetch_add(1);
+      if (active[1 - me].load() != 0) overlaps.fetch_add(1);
+      admitted.fetch_add(1, std::memory_order_relaxed);
+      active[me].fetch_sub(1);
+      gate.leave();
+    }
+  };
+  std::thread ta(hammer, std::ref(a), 0), tb(hammer, std::ref(b), 1);
+  const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(300);
+  uint64_t moves = 0;
+  for (; std::chrono::steady_clock::now() < until || admitted.load() < 1000; ++moves) {
+    // The takeover's order: revoke (and drain), then grant.
+    backend::WriteAccess& from = moves % 2 == 0 ? a : b;
+    backend::WriteAccess& to = moves % 2 == 0 ? b : a;
+    from.revoke();
+    to.grant();
+  }
+  stop = true;
+  ta.join();
+  tb.join();
+  EXPECT_EQ(overlaps.load(), 0u) << "of " << admitted.load() << " changes, " << moves << " moves";
 }
 
 TEST_F(BackendTest, RangesInsideTheVolumeAreAdmitted) {
