@@ -90,7 +90,8 @@ void Service::connect(Database::Transaction& tx, AttachmentRow& a, const VolumeR
   if (connector.transport == "fuse") {
     auto volume = volumes_.open(a.volume_id, v.size);
     if (!volume) throw ApiError("internal", "cannot open volume " + a.volume_id);
-    exports_.mount(a.id, connector.mountpoint, backend::Handle(volume, a.mode));
+    exports_.mount(a.id, connector.mountpoint,
+                   backend::Handle(volume, a.mode, exports_.write_access(a.id)));
   }
   a.connector = connector.stored;
   a.attach_status = next;
@@ -128,22 +129,42 @@ Json Service::attachment_create(const AttachmentSpec& spec) {
   a.export_name = random_hex(16);  // 128 random bits: the name is the capability
   a.attach_status = AttachStatus::Reserved;
   a.created_at = now_iso();
-  if (spec.connector != nullptr && !spec.connector->is_null()) {
-    connect(tx, a, v, *spec.connector);
-  }
+  // The first read-write attachment of a single-writer volume without one is its writer; the
+  // others are standbys until a takeover (docs/fencing.md).
+  const bool becomes_writer = a.mode == backend::AttachMode::ReadWrite &&
+                              v.writer_policy == WriterPolicy::Single && v.writer.empty();
+  if (becomes_writer) make_writer(v, a.id, a.created_at);
+  if (may_write(a, v)) a.write_access_since = a.created_at;
+  // Unreachable until committed: no export of it resolves before that.
+  exports_.set_write_access(a.id, may_write(a, v));
   try {
+    if (spec.connector != nullptr && !spec.connector->is_null()) {
+      connect(tx, a, v, *spec.connector);
+    }
     tx.insert_attachment(a);
+    if (becomes_writer) tx.update_volume(v);
     tx.commit();
   } catch (...) {
     exports_.unmount(a.id);  // never a mount the database does not know of
+    exports_.forget_write_access(a.id);
     throw;
   }
-  spdlog::info("control: attachment {} of volume {} for {} ({}, {})", a.id, v.id,
-               printable(a.instance_uuid), to_string(a.mode), to_string(a.attach_status));
+  spdlog::info("control: attachment {} of volume {} for {} ({}, {}{})", a.id, v.id,
+               printable(a.instance_uuid), to_string(a.mode), to_string(a.attach_status),
+               v.writer_policy == WriterPolicy::Multi || a.mode == backend::AttachMode::ReadOnly
+                   ? ""
+                   : (becomes_writer ? ", the writer" : ", a standby"));
+  if (becomes_writer) {
+    spdlog::info("control: volume {}: writer (none) -> {} (generation {})", v.id, a.id,
+                 v.fencing_generation);
+  }
   return attachment_json(a, v);
 }
 
-Json Service::attachment_update(const std::string& id, const Json& connector) {
+Json Service::attachment_update(const std::string& id, const Json* connector_params,
+                                std::optional<backend::AttachMode> mode) {
+  if (connector_params == nullptr) return change_mode(id, mode.value());
+  const Json& connector = *connector_params;
   const std::string volume_id = volume_of(id);
   const VolumeLock lock = volumes_.lock(volume_id);
   Database::Transaction tx(db_);
@@ -215,10 +236,14 @@ Json Service::detach(const std::string& volume_id, const std::string& attachment
   const bool lazy = exports_.revoke(a.id);
   a.attach_status = transition(a.id, a.attach_status, AttachEvent::Finish);
   a.detach_time = now_iso();
+  a.write_access_since.clear();
+  const bool was_writer = v.writer == a.id;
+  if (was_writer) make_writer(v, "", a.detach_time);
   Json out;
   try {
     Database::Transaction tx(db_);
     tx.update_attachment(a);
+    if (was_writer) tx.update_volume(v);
     out = attachment_json(a, v);
     tx.commit();
   } catch (const DbError& e) {
@@ -232,8 +257,13 @@ Json Service::detach(const std::string& volume_id, const std::string& attachment
   }
   journal_.clear(a.id);
   exports_.forget_revoked(a.id);
+  exports_.forget_write_access(a.id);
   if (lazy) out["unmounted_lazily"] = true;
   spdlog::info("control: attachment {} of volume {} detached", a.id, volume_id);
+  if (was_writer) {
+    spdlog::info("control: volume {}: writer {} -> (none) (generation {})", volume_id, a.id,
+                 v.fencing_generation);
+  }
   return out;
 }
 

@@ -10,8 +10,8 @@ namespace shareblk::control {
 
 namespace {
 
-// The tables as version 2 has them. Version 0 (0.1.0) had no CHECK on attach_status; version
-// 1 had no volume_intent.
+// The tables as version 3 has them. Version 0 (0.1.0) had no CHECK on attach_status; version
+// 1 had no volume_intent; version 2 had no writer columns (kWriterColumns).
 const char* kVolumesTable = R"sql(
 CREATE TABLE volumes (
   id          TEXT PRIMARY KEY,
@@ -22,6 +22,21 @@ CREATE TABLE volumes (
   created_at  TEXT NOT NULL
 );
 )sql";
+
+// 2 → 3: who may write (docs/fencing.md). ALTER TABLE ADD COLUMN, on a new database too, so
+// that both have the same table.
+const char* kWriterColumns[] = {
+    "ALTER TABLE volumes ADD COLUMN writer_policy TEXT NOT NULL DEFAULT 'multi' "
+    "CHECK (writer_policy IN ('multi', 'single'))",
+    "ALTER TABLE volumes ADD COLUMN writer TEXT NOT NULL DEFAULT ''",
+    "ALTER TABLE volumes ADD COLUMN fencing_generation INTEGER NOT NULL DEFAULT 0 "
+    "CHECK (fencing_generation >= 0)",
+    "ALTER TABLE volumes ADD COLUMN writer_since TEXT NOT NULL DEFAULT ''",
+    // Existing read-write attachments wrote under the policy multi: since they were created.
+    "ALTER TABLE volume_attachment ADD COLUMN write_access_since TEXT NOT NULL DEFAULT ''",
+    "UPDATE volume_attachment SET write_access_since = created_at "
+    "WHERE mode = 'rw' AND attach_status != 'detached'",
+};
 
 // `%s` is the table's name: the migration builds it under a new name first.
 const char* kAttachmentTableV1 = R"sql(
@@ -102,14 +117,25 @@ class Statement {
   sqlite3_stmt* stmt_ = nullptr;
 };
 
-constexpr const char* kVolumeColumns = "id, name, size, multiattach, bootable, created_at";
-constexpr const char* kAttachmentColumns =
-    "id, volume_id, instance_uuid, attached_host, mode, attach_status, attach_time, "
-    "detach_time, connector, export_name, created_at";
+constexpr const char* kVolumeColumns =
+    "id, name, size, multiattach, bootable, created_at, writer_policy, writer, "
+    "fencing_generation, writer_since";
+// The attachment table's columns up to version 2; version 3 added write_access_since.
+#define SHAREBLK_ATTACHMENT_COLUMNS_V1                                              \
+  "id, volume_id, instance_uuid, attached_host, mode, attach_status, attach_time, " \
+  "detach_time, connector, export_name, created_at"
+constexpr const char* kAttachmentColumnsV1 = SHAREBLK_ATTACHMENT_COLUMNS_V1;
+constexpr const char* kAttachmentColumns = SHAREBLK_ATTACHMENT_COLUMNS_V1 ", write_access_since";
+#undef SHAREBLK_ATTACHMENT_COLUMNS_V1
 
 VolumeRow volume_from(const Statement& s) {
-  return VolumeRow{s.text(0),         s.text(1),         static_cast<uint64_t>(s.integer(2)),
-                   s.integer(3) != 0, s.integer(4) != 0, s.text(5)};
+  VolumeRow v{s.text(0),         s.text(1),         static_cast<uint64_t>(s.integer(2)),
+              s.integer(3) != 0, s.integer(4) != 0, s.text(5)};
+  v.writer_policy = s.text(6) == "single" ? WriterPolicy::Single : WriterPolicy::Multi;
+  v.writer = s.text(7);
+  v.fencing_generation = static_cast<uint64_t>(s.integer(8));
+  v.writer_since = s.text(9);
+  return v;
 }
 
 AttachmentRow attachment_from(const Statement& s) {
@@ -126,6 +152,7 @@ AttachmentRow attachment_from(const Statement& s) {
   a.connector = s.text(8);
   a.export_name = s.text(9);
   a.created_at = s.text(10);
+  a.write_access_since = s.text(11);
   return a;
 }
 
@@ -142,12 +169,17 @@ void bind_attachment(Statement& s, const AttachmentRow& a) {
   s.bind(5, std::string(to_string(a.mode))).bind(6, std::string(to_string(a.attach_status)));
   s.bind(7, a.attach_time).bind(8, a.detach_time);
   s.bind(9, a.connector).bind(10, a.export_name).bind(11, a.created_at);
+  s.bind(12, a.write_access_since);
 }
 
 }  // namespace
 
 std::string_view to_string(backend::AttachMode mode) {
   return mode == backend::AttachMode::ReadOnly ? "ro" : "rw";
+}
+
+std::string_view to_string(WriterPolicy policy) {
+  return policy == WriterPolicy::Single ? "single" : "multi";
 }
 
 std::string_view to_string(IntentAction action) {
@@ -228,14 +260,17 @@ void Database::migrate(const std::string& path) {
     } else {
       if (version < 1) {  // 0 → 1: the same columns, and a CHECK on attach_status
         exec(attachment_table("volume_attachment_v1").c_str());
-        exec((std::string("INSERT INTO volume_attachment_v1 (") + kAttachmentColumns + ") SELECT " +
-              kAttachmentColumns + " FROM volume_attachment")
+        exec((std::string("INSERT INTO volume_attachment_v1 (") + kAttachmentColumnsV1 +
+              ") SELECT " + kAttachmentColumnsV1 + " FROM volume_attachment")
                  .c_str());
         exec("DROP TABLE volume_attachment");
         exec("ALTER TABLE volume_attachment_v1 RENAME TO volume_attachment");
         exec(kAttachmentIndex);
       }
       if (version < 2) exec(kIntentTable);  // 1 → 2: creates and deletes under way
+    }
+    if (fresh || version < 3) {
+      for (const char* sql : kWriterColumns) exec(sql);
     }
     {  // step 10 of SQLite's table rebuild: the copy kept every reference whole
       Statement check(db_, "PRAGMA foreign_key_check");
@@ -302,19 +337,25 @@ std::optional<VolumeRow> Database::Transaction::volume(const std::string& id) {
 }
 
 void Database::Transaction::insert_volume(const VolumeRow& v) {
-  Statement s(db_.db_,
-              "INSERT INTO volumes (id, name, size, multiattach, bootable, created_at) "
-              "VALUES (?, ?, ?, ?, ?, ?)");
+  Statement s(db_.db_, (std::string("INSERT INTO volumes (") + kVolumeColumns +
+                        ") VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)")
+                           .c_str());
   s.bind(1, v.id).bind(2, v.name).bind(3, static_cast<int64_t>(v.size));
   s.bind(4, int64_t{v.multiattach}).bind(5, int64_t{v.bootable}).bind(6, v.created_at);
+  s.bind(7, std::string(to_string(v.writer_policy))).bind(8, v.writer);
+  s.bind(9, static_cast<int64_t>(v.fencing_generation)).bind(10, v.writer_since);
   s.step();
 }
 
 void Database::Transaction::update_volume(const VolumeRow& v) {
   Statement s(db_.db_,
-              "UPDATE volumes SET name = ?, size = ?, multiattach = ?, bootable = ? WHERE id = ?");
+              "UPDATE volumes SET name = ?, size = ?, multiattach = ?, bootable = ?, "
+              "writer_policy = ?, writer = ?, fencing_generation = ?, writer_since = ? "
+              "WHERE id = ?");
   s.bind(1, v.name).bind(2, static_cast<int64_t>(v.size)).bind(3, int64_t{v.multiattach});
-  s.bind(4, int64_t{v.bootable}).bind(5, v.id);
+  s.bind(4, int64_t{v.bootable}).bind(5, std::string(to_string(v.writer_policy)));
+  s.bind(6, v.writer).bind(7, static_cast<int64_t>(v.fencing_generation));
+  s.bind(8, v.writer_since).bind(9, v.id);
   s.step();
 }
 
@@ -358,10 +399,9 @@ std::optional<AttachmentRow> Database::Transaction::attachment_by_export(
 }
 
 void Database::Transaction::insert_attachment(const AttachmentRow& a) {
-  Statement s(db_.db_,
-              "INSERT INTO volume_attachment (id, volume_id, instance_uuid, attached_host, mode, "
-              "attach_status, attach_time, detach_time, connector, export_name, created_at) "
-              "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)");
+  Statement s(db_.db_, (std::string("INSERT INTO volume_attachment (") + kAttachmentColumns +
+                        ") VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)")
+                           .c_str());
   bind_attachment(s, a);
   s.step();
 }
@@ -370,7 +410,8 @@ void Database::Transaction::update_attachment(const AttachmentRow& a) {
   Statement s(db_.db_,
               "UPDATE volume_attachment SET id = ?, volume_id = ?, instance_uuid = ?, "
               "attached_host = ?, mode = ?, attach_status = ?, attach_time = ?, detach_time = ?, "
-              "connector = ?, export_name = ?, created_at = ? WHERE id = ?1");
+              "connector = ?, export_name = ?, created_at = ?, write_access_since = ? "
+              "WHERE id = ?1");
   bind_attachment(s, a);
   s.step();
 }

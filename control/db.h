@@ -22,6 +22,11 @@
 
 namespace shareblk::control {
 
+// Multi: every read-write attachment may write (cluster file systems). Single: at most one,
+// the volume's writer, may at a time; the others are standbys until volume_takeover.
+enum class WriterPolicy { Multi, Single };
+std::string_view to_string(WriterPolicy policy);  // "multi" | "single"
+
 struct VolumeRow {
   std::string id;
   std::string name;
@@ -29,6 +34,10 @@ struct VolumeRow {
   bool multiattach = false;
   bool bootable = false;
   std::string created_at;
+  WriterPolicy writer_policy = WriterPolicy::Multi;
+  std::string writer;               // single: the attachment holding write access, "" if none
+  uint64_t fencing_generation = 0;  // + 1 at every change of writer
+  std::string writer_since;         // when the writer last changed; "" before the first
 };
 
 struct AttachmentRow {
@@ -43,6 +52,9 @@ struct AttachmentRow {
   std::string connector;  // JSON text, empty when none
   std::string export_name;
   std::string created_at;
+  // When it last gained write access; "" while it has none (read-only, a standby of a
+  // single-writer volume, detached). Set and cleared with the volume's writer.
+  std::string write_access_since;
 };
 
 // A volume_create or volume_delete recorded before the store is touched, and removed in the
@@ -67,7 +79,7 @@ struct DbError : std::runtime_error {
 };
 
 // The schema this build writes. Version 0 is the unversioned schema of 0.1.0.
-inline constexpr int kSchemaVersion = 2;
+inline constexpr int kSchemaVersion = 3;
 
 // "rw" / "ro", as stored and as the API shows them.
 std::string_view to_string(backend::AttachMode mode);

@@ -104,9 +104,48 @@ bool ExportRegistry::is_revoked(const std::string& attachment_id) const {
   return revoked_.count(attachment_id) != 0;
 }
 
+std::shared_ptr<backend::WriteAccess> ExportRegistry::write_access(
+    const std::string& attachment_id) const {
+  std::lock_guard lock(access_mutex_);
+  auto it = access_.find(attachment_id);
+  return it == access_.end() ? nullptr : it->second;
+}
+
+bool ExportRegistry::set_write_access(const std::string& attachment_id, bool granted) {
+  std::shared_ptr<backend::WriteAccess> access;
+  {
+    std::lock_guard lock(access_mutex_);
+    auto& slot = access_[attachment_id];
+    if (!slot) {
+      slot = std::make_shared<backend::WriteAccess>(granted);
+      return true;
+    }
+    access = slot;
+  }
+  if (access->granted() == granted) return false;
+  if (granted) {
+    access->grant();
+  } else {
+    access->revoke();  // waits for the changes in flight: not under the table's lock
+  }
+  return true;
+}
+
+void ExportRegistry::forget_write_access(const std::string& attachment_id) {
+  std::lock_guard lock(access_mutex_);
+  access_.erase(attachment_id);
+}
+
+size_t ExportRegistry::reconnect(const std::string& attachment_id) {
+  const size_t n = connections(attachment_id);
+  if (server_ != nullptr) server_->close_connections(attachment_id);
+  return n;
+}
+
 bool ExportRegistry::revoke(const std::string& attachment_id) {
   mark_revoked(attachment_id);
   const size_t told = notify_revoked(attachment_id);
+  if (auto access = write_access(attachment_id)) access->revoke();  // FUSE's changes too
   const size_t closed = connections(attachment_id);
   if (server_ != nullptr) server_->close_group(attachment_id);
   const bool lazy = unmount(attachment_id);

@@ -39,6 +39,23 @@ class ExportRegistry {
   void set_max_subscribers(size_t n);
   size_t subscriber_count() const;  // for tests
 
+  // The attachment's write access (backend::WriteAccess): one gate for its NBD connections
+  // and its FUSE mount. The Service sets it, under the volume's lock, from the attachment's
+  // mode and the volume's writer; the catalog only looks it up. nullptr: none was set (the
+  // attachment is not live in this run), and its export must be refused.
+  std::shared_ptr<backend::WriteAccess> write_access(const std::string& attachment_id) const;
+  // Makes it if missing, then grants it, or revokes it and waits until the attachment's
+  // changes in flight have finished (WriteAccess::revoke). Returns whether it changed.
+  bool set_write_access(const std::string& attachment_id, bool granted);
+  void forget_write_access(const std::string& attachment_id);
+  // Tells the subscribers that serve the attachment themselves (nbdkit) that they must let go
+  // of it: they refuse it from their next request on, and clients connect again to learn
+  // its new mode or write access. The plugin's requests already running are not waited for.
+  size_t cut_subscribers(const std::string& attachment_id) { return notify_revoked(attachment_id); }
+  // Closes the attachment's NBD connections, once their requests in flight are answered,
+  // without refusing new ones: clients connect again and negotiate afresh (a mode change).
+  size_t reconnect(const std::string& attachment_id);
+
   // Takes the attachment away from everyone who reaches it: subscribers are told first (they
   // refuse it from their next request; not waited for), then its NBD connections are closed
   // once their requests in flight are answered, then its FUSE mount goes. Returns whether the
@@ -63,6 +80,8 @@ class ExportRegistry {
   size_t max_subscribers_ = SIZE_MAX;
   mutable std::mutex revoked_mutex_;
   std::set<std::string> revoked_;
+  mutable std::mutex access_mutex_;
+  std::map<std::string, std::shared_ptr<backend::WriteAccess>> access_;
 };
 
 }  // namespace shareblk::control

@@ -270,6 +270,8 @@ int code_for(const std::string& reason) {
       {"invalid_state", -32007},
       {"no_space", -32008},
       {"volume_error", -32009},
+      {"not_single_writer", -32010},
+      {"already_writer", -32011},
   };
   for (const auto& [name, code] : kCodes) {
     if (reason == name) return code;

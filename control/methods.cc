@@ -12,6 +12,7 @@ Json volume_create(Service& s, const Json& p, const Caller&) {
   spec.size = need_size(p, "size");
   spec.multiattach = opt_bool(p, "multiattach").value_or(false);
   spec.bootable = opt_bool(p, "bootable").value_or(false);
+  spec.writer_policy = opt_writer_policy(p, "writer_policy").value_or(WriterPolicy::Multi);
   return s.volume_create(spec);
 }
 
@@ -58,8 +59,17 @@ Json attachment_create(Service& s, const Json& p, const Caller&) {
 
 Json attachment_update(Service& s, const Json& p, const Caller&) {
   const std::string id = need_string(p, "attachment_id");
-  if (!p.contains("connector")) invalid("missing parameter 'connector'");
-  return s.attachment_update(id, p["connector"]);
+  const bool has_mode = p.contains("mode") && !p["mode"].is_null();
+  if (p.contains("connector") == has_mode) {
+    invalid("give either 'connector' (a new connector) or 'mode' (a live mode change)");
+  }
+  if (has_mode) return s.attachment_update(id, nullptr, opt_mode(p, "mode"));
+  return s.attachment_update(id, &p["connector"], std::nullopt);
+}
+
+Json volume_takeover(Service& s, const Json& p, const Caller&) {
+  const std::string volume_id = need_string(p, "volume_id");
+  return s.volume_takeover(volume_id, need_string(p, "attachment_id"));
 }
 
 Json attachment_complete(Service& s, const Json& p, const Caller&) {
@@ -83,14 +93,17 @@ Json export_resolve(Service& s, const Json& p, const Caller& caller) {
 }
 
 // The params each method accepts; any other key is invalid_params.
-constexpr std::string_view kVolumeCreate[] = {"name", "size", "multiattach", "bootable"};
+constexpr std::string_view kVolumeCreate[] = {"name", "size", "multiattach", "bootable",
+                                              "writer_policy"};
 constexpr std::string_view kVolumeId[] = {"volume_id"};
-constexpr std::string_view kVolumeUpdate[] = {"volume_id", "name", "multiattach", "bootable"};
+constexpr std::string_view kVolumeUpdate[] = {"volume_id", "name", "multiattach", "bootable",
+                                              "writer_policy"};
 constexpr std::string_view kVolumeExtend[] = {"volume_id", "size"};
 constexpr std::string_view kVolumeDetach[] = {"volume_id", "attachment_id"};
 constexpr std::string_view kAttachmentCreate[] = {"volume_id", "instance_uuid", "attached_host",
                                                   "mode", "connector"};
-constexpr std::string_view kAttachmentUpdate[] = {"attachment_id", "connector"};
+constexpr std::string_view kAttachmentUpdate[] = {"attachment_id", "connector", "mode"};
+constexpr std::string_view kVolumeTakeover[] = {"volume_id", "attachment_id"};
 constexpr std::string_view kAttachmentId[] = {"attachment_id"};
 constexpr std::string_view kExportResolve[] = {"export_name"};
 
@@ -102,6 +115,7 @@ constexpr std::array kMethods = {
     Method{"volume_extend", kVolumeExtend, volume_extend},
     Method{"volume_delete", kVolumeId, volume_delete},
     Method{"volume_detach", kVolumeDetach, volume_detach},
+    Method{"volume_takeover", kVolumeTakeover, volume_takeover},
     Method{"attachment_create", kAttachmentCreate, attachment_create},
     Method{"attachment_update", kAttachmentUpdate, attachment_update},
     Method{"attachment_complete", kAttachmentId, attachment_complete},

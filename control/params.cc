@@ -61,6 +61,14 @@ backend::AttachMode opt_mode(const Json& p, const char* key) {
   invalid(std::string(key) + " must be \"rw\" or \"ro\"");
 }
 
+std::optional<WriterPolicy> opt_writer_policy(const Json& p, const char* key) {
+  const std::optional<std::string> policy = opt_string(p, key);
+  if (!policy) return std::nullopt;
+  if (*policy == "multi") return WriterPolicy::Multi;
+  if (*policy == "single") return WriterPolicy::Single;
+  invalid(std::string(key) + " must be \"multi\" or \"single\"");
+}
+
 uint64_t parse_size(const Json& v) {
   uint64_t size = 0;
   if (v.is_number_unsigned()) {

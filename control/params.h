@@ -11,6 +11,7 @@
 #include <string_view>
 
 #include "backend/backend.h"
+#include "control/db.h"      // WriterPolicy
 #include "text/printable.h"  // printable(): caller strings in log lines
 
 namespace shareblk::control {
@@ -34,6 +35,8 @@ std::optional<std::string> opt_string(const Json& p, const char* key, size_t max
 std::optional<bool> opt_bool(const Json& p, const char* key);
 // "rw" (the default when absent) or "ro".
 backend::AttachMode opt_mode(const Json& p, const char* key);
+// Absent or null: nullopt; else "multi" or "single".
+std::optional<WriterPolicy> opt_writer_policy(const Json& p, const char* key);
 
 // Bytes, or a string with a K/M/G/T suffix (powers of 1024): a positive multiple of 512,
 // at most 2^62.

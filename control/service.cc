@@ -111,7 +111,7 @@ void Service::remount(const AttachmentRow& a, const VolumeRow& v) {
   }
   auto volume = volumes_.open(a.volume_id, v.size);
   if (!volume) throw ApiError("internal", "cannot open volume " + a.volume_id);
-  exports_.mount(a.id, mountpoint, backend::Handle(volume, a.mode));
+  exports_.mount(a.id, mountpoint, backend::Handle(volume, a.mode, exports_.write_access(a.id)));
   spdlog::info("control: attachment {} mounted again at {}", a.id, mountpoint);
 }
 
@@ -150,6 +150,7 @@ void Service::reconcile() {
   }
   for (const VolumeRow& v : tx.volumes()) known.emplace_back(v.id, v.name);
   volumes_.reconcile(known);
+  load_write_access(tx);
   tx.commit();
 }
 
@@ -264,9 +265,12 @@ Json Service::export_resolve(const std::string& name, const Caller& caller) {
       throw ApiError("not_found", "no live export of that name");
     }
   }
+  auto access = exports_.write_access(a.id);
   return Json{{"attachment_id", a.id},
               {"volume_id", a.volume_id},
               {"mode", to_string(a.mode)},
+              // nbdkit serves it read-only without it, and is told to let go at any change
+              {"write_access", access != nullptr && access->granted()},
               {"size", v.size},
               {"backing", {{"mapped", volume->is_mapped()}, {"segments", segments}}}};
 }
@@ -297,10 +301,13 @@ target::ExportCatalog::Lookup Service::resolve(const std::string& export_name,
     return {std::nullopt, refusal_of(admission)};
   }
   auto volume = volumes_.open(a.volume_id, size);
-  if (!volume) return {std::nullopt, Refusal::Unknown};
-  spdlog::info("nbd: admitted {} to attachment {} ({}{})", describe(peer), a.id, to_string(a.mode),
-               peer.tls ? ", TLS" : "");
-  return {target::Export{volume, a.mode, a.id, ""}};
+  auto access = exports_.write_access(a.id);
+  if (!volume || !access) return {std::nullopt, Refusal::Unknown};
+  spdlog::info(
+      "nbd: admitted {} to attachment {} ({}{}{})", describe(peer), a.id, to_string(a.mode),
+      a.mode == backend::AttachMode::ReadWrite && !access->granted() ? ", no write access" : "",
+      peer.tls ? ", TLS" : "");
+  return {target::Export{volume, a.mode, a.id, "", std::move(access)}};
 }
 
 std::optional<std::string> Service::psk_key(const std::string& attachment_id) {

@@ -31,6 +31,7 @@ struct VolumeSpec {
   uint64_t size = 0;
   bool multiattach = false;
   bool bootable = false;
+  WriterPolicy writer_policy = WriterPolicy::Multi;
 };
 
 // Decoded by volume_update itself, once the volume is found, in the order name, multiattach,
@@ -67,11 +68,15 @@ class Service {
   Json volume_detach(const std::string& volume_id, std::optional<std::string> attachment_id);
 
   Json attachment_create(const AttachmentSpec& spec);
-  Json attachment_update(const std::string& id, const Json& connector);
+  // A new connector, or (mode set, connector nullptr) a live change of mode.
+  Json attachment_update(const std::string& id, const Json* connector,
+                         std::optional<backend::AttachMode> mode);
   Json attachment_complete(const std::string& id);
   Json attachment_delete(const std::string& id);
   Json attachment_list(const std::string& volume_id);  // "" for all
   Json attachment_show(const std::string& id);
+  // Moves a single-writer volume's write access to the attachment (writers.cc).
+  Json volume_takeover(const std::string& volume_id, const std::string& attachment_id);
 
   // For another process that serves the attachment (nbdkit): where its bytes are, in which
   // mode; subscribes the caller to its revocation.
@@ -101,6 +106,13 @@ class Service {
   void refuse_taken_mountpoint(Database::Transaction& tx, const AttachmentRow& a,
                                const std::string& mountpoint);
   Json detach(const std::string& volume_id, const std::string& attachment_id);
+  // writers.cc
+  Json change_mode(const std::string& id, backend::AttachMode mode);
+  // Makes every write the volume acknowledged durable; throws ApiError (internal).
+  void flush_volume(const VolumeRow& v, const std::string& why);
+  // At start: the gates of the live attachments, from the database, and no writer that is
+  // not a live attachment.
+  void load_write_access(Database::Transaction& tx);
   // service.cc
   void reconcile();
   void finish_intents();
@@ -135,6 +147,12 @@ class Service {
   std::atomic<uint64_t> refused_unknown_{0};
   std::atomic<uint64_t> refused_by_binding_{0};
 };
+
+// Whether the attachment may write, as the database says: live, read-write, and the volume's
+// writer when the volume has one writer at most. The one rule; ExportRegistry's gates follow it.
+bool may_write(const AttachmentRow& a, const VolumeRow& v);
+// Makes `a` the writer of `v`: the generation goes up; `now` is when.
+void make_writer(VolumeRow& v, const std::string& attachment_id, const std::string& now);
 
 // Helpers shared by the action files.
 std::string new_uuid();

@@ -63,7 +63,9 @@ Json Service::attachment_json(const AttachmentRow& a, const VolumeRow& v) {
               {"detach_time", or_null(a.detach_time)},
               {"connector", a.connector.empty() ? Json(nullptr) : Json::parse(a.connector)},
               {"connection_info", connection_info(a, v)},
-              {"connections", exports_.connections(a.id)}};
+              {"connections", exports_.connections(a.id)},
+              {"write_access", may_write(a, v)},
+              {"write_access_since", or_null(a.write_access_since)}};
 }
 
 Json Service::volume_json(Database::Transaction& tx, const VolumeRow& v) {
@@ -87,6 +89,10 @@ Json Service::volume_json(Database::Transaction& tx, const VolumeRow& v,
               {"status", error ? "error" : volume_status(all)},
               {"status_reason", error ? Json(*error) : Json(nullptr)},
               {"created_at", v.created_at},
+              {"writer_policy", to_string(v.writer_policy)},
+              {"writer", v.writer.empty() ? Json(nullptr) : Json(v.writer)},
+              {"fencing_generation", v.fencing_generation},
+              {"writer_since", v.writer_since.empty() ? Json(nullptr) : Json(v.writer_since)},
               {"attachments", attachments}};
 }
 

@@ -15,6 +15,7 @@ Json Service::volume_create(const VolumeSpec& spec) {
     throw ApiError("policy_denied", "policy forbids multiattach volumes");
   }
   VolumeRow v{new_uuid(), spec.name, spec.size, spec.multiattach, spec.bootable, now_iso()};
+  v.writer_policy = spec.writer_policy;
   {
     Database::Transaction tx(db_);
     tx.put_intent({v.id, IntentAction::Create, "", v.created_at});
@@ -151,6 +152,16 @@ Json Service::volume_update(const VolumeChange& change) {
       throw ApiError("policy_denied", "policy forbids multiattach volumes");
     }
     v.multiattach = *multiattach;
+  }
+  if (auto policy = opt_writer_policy(p, "writer_policy"); policy && *policy != v.writer_policy) {
+    // Who holds write access is decided as attachments come: a change under live
+    // attachments would have to take it from some of them at once. Only while available.
+    if (volume_status(tx.attachments(v.id)) != "available") {
+      throw ApiError("volume_in_use",
+                     "writer_policy can change only while the volume is available");
+    }
+    v.writer_policy = *policy;
+    v.writer.clear();
   }
   if (auto bootable = opt_bool(p, "bootable")) {
     // Making a volume that several attachments share bootable would make the shared bootable

@@ -15,9 +15,9 @@
 //
 // Every reply must be JSON-RPC 2.0: one response per request that is not a notification, each
 // with a usable id, a result or an error with a documented code and reason, and "internal" or
-// "volume_error" only when the input made the store fail. After the input, its volumes and attachments are
-// deleted through the API, which must succeed and leave nothing behind (no row, no backing, no
-// volume lock, no subscription): the next input starts from where this one did.
+// "volume_error" only when the input made the store fail. After the input, its volumes and
+// attachments are deleted through the API, which must succeed and leave nothing behind (no row, no
+// backing, no volume lock, no subscription): the next input starts from where this one did.
 // CONTROL_FUZZ_TRACE=1 in the environment prints each line and its reply.
 #include <spdlog/spdlog.h>
 #include <unistd.h>
@@ -234,7 +234,9 @@ void check_response(const Json& r, const std::string& reply, Made& made) {
                                               "policy_denied",
                                               "invalid_state",
                                               "no_space",
-                                              "volume_error"};
+                                              "volume_error",
+                                              "not_single_writer",
+                                              "already_writer"};
   if (!r.is_object() || r.size() != 3 || r.value("jsonrpc", Json()) != "2.0") {
     fail("a response that is not JSON-RPC 2.0", reply);
   }

@@ -9,7 +9,8 @@
 // the range checks are the backend's, not this plugin's.
 //
 // Revocation. The control connection that resolved the name stays open, and the daemon writes
-// an attachment_revoked notification on it before its attachment_delete returns. Every request
+// an attachment_revoked notification on it before its attachment_delete returns, and when the
+// attachment's mode or write access changes (a takeover; docs/fencing.md). Every request
 // first looks for that notification (a poll of the socket that never waits), so a deleted
 // attachment is refused from the next request on, with ESHUTDOWN. The daemon does not wait for
 // nbdkit's connections to close: the plugin cannot close them itself (nbdkit 1.32 has no such
@@ -228,8 +229,11 @@ void* shareblk_open(int readonly) {
                    resolved.value("volume_id", "?").c_str(), ec.message().c_str());
       return nullptr;
     }
-    // nbdkit -r makes every attachment read-only; it never makes one writable.
-    const bool read_only = readonly != 0 || resolved.at("mode").get<std::string>() != "rw";
+    // nbdkit -r makes every attachment read-only; it never makes one writable. Neither does
+    // the daemon while the attachment has no write access (a single-writer volume's
+    // standby): it tells us to let go when that changes, and the client connects again.
+    const bool read_only = readonly != 0 || resolved.at("mode").get<std::string>() != "rw" ||
+                           !resolved.value("write_access", true);
     connection->io = backend::Handle(std::move(volume), read_only ? backend::AttachMode::ReadOnly
                                                                   : backend::AttachMode::ReadWrite);
     nbdkit_debug("shareblk: attachment %s of volume %s, %s",

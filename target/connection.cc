@@ -99,7 +99,7 @@ Connection::Connection(Worker& worker, int fd, Session session)
     : worker_(worker),
       fd_(fd),
       session_(std::move(session)),
-      handle_(session_.exp.volume, session_.exp.mode),
+      handle_(session_.exp.volume, session_.exp.mode, session_.exp.write_access),
       rbuf_(new char[kRecvBufferSize]) {
   recv_done_.conn = this;
   send_done_.conn = this;

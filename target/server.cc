@@ -520,10 +520,30 @@ std::vector<std::string> Server::tcp_endpoints() const {
 }
 
 void Server::close_group(const std::string& group) {
+  {
+    std::lock_guard lock(impl_->mutex);
+    impl_->closed_groups.insert(group);
+  }
+  drain_group(group);
+}
+
+// Closed while its connections drain, so that the wait cannot be outrun by clients that
+// reconnect at once; those are closed after their handshake and connect again.
+void Server::close_connections(const std::string& group) {
   Impl& s = *impl_;
   {
     std::lock_guard lock(s.mutex);
-    s.closed_groups.insert(group);
+    if (!s.closed_groups.insert(group).second) return;  // closed for good already
+  }
+  drain_group(group);
+  std::lock_guard lock(s.mutex);
+  s.closed_groups.erase(group);
+}
+
+void Server::drain_group(const std::string& group) {
+  Impl& s = *impl_;
+  {
+    std::lock_guard lock(s.mutex);
     if (s.live.count(group) == 0 || s.workers.empty()) return;
   }
   for (auto& w : s.workers) w->close_group(group, false);

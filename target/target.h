@@ -55,6 +55,8 @@ struct Export {
   // Connections are counted and closed per group: the attachment id, or the export name.
   std::string group;
   std::string description;
+  // The attachment's write access (backend::WriteAccess); nullptr: always, in `mode`.
+  std::shared_ptr<backend::WriteAccess> write_access;
 };
 
 class ExportCatalog {
@@ -165,12 +167,18 @@ class Server {
   // their handshake are refused. A group stays closed for the life of the server.
   void close_group(const std::string& group);
 
+  // The same for the connections `group` has now, without closing the group: its clients
+  // connect again and negotiate afresh (an attachment whose mode changed). Clients that
+  // finish their handshake while this runs are closed too.
+  void close_connections(const std::string& group);
+
   // Live connections of `group` (in transmission phase).
   size_t connections(const std::string& group) const;
 
   struct Impl;
 
  private:
+  void drain_group(const std::string& group);
   std::unique_ptr<Impl> impl_;
 };
 

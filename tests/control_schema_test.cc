@@ -58,6 +58,7 @@ std::string sql(const std::string& path, const std::string& statement) {
 class StateDatabaseTest : public ::testing::Test {
  protected:
   std::string db_path() const { return dir_ / "shareblk.db"; }
+  void expect_migrated_from(const char* fixture, int version);
   void copy_fixture(const std::string& name = "state-v0.db") {
     fs::copy_file(kFixtures / name, db_path());
   }
@@ -129,13 +130,17 @@ TEST_F(StateDatabaseTest, A010DatabaseIsMigratedWithNothingLost) {
 }
 
 // state-v1.db was written by the release before the volume_intent table (schema version 1):
-// three volumes, attachments attached, attaching, reserved and detached. It migrates with
-// every field as that release listed it, and creates and deletes work on it.
-TEST_F(StateDatabaseTest, AVersion1DatabaseIsMigratedWithNothingLost) {
-  copy_fixture("state-v1.db");
-  ASSERT_EQ(sql(db_path(), "PRAGMA user_version"), "1");
-  ASSERT_NE(sql(db_path(), "SELECT count(*) FROM volume_intent").find("no such table"),
-            std::string::npos);
+// three volumes, attachments attached, attaching, reserved and detached; state-v2.db is the
+// same state as the release before the writer columns left it (schema version 2). Each
+// migrates with every field as that release listed it, the volumes get the writer policy
+// multi (what they had: every read-write attachment writes), and creates and deletes work.
+void StateDatabaseTest::expect_migrated_from(const char* fixture, int version) {
+  copy_fixture(fixture);
+  ASSERT_EQ(sql(db_path(), "PRAGMA user_version"), std::to_string(version));
+  if (version < 2) {
+    ASSERT_NE(sql(db_path(), "SELECT count(*) FROM volume_intent").find("no such table"),
+              std::string::npos);
+  }
   const Json before_attachments = Json::parse(slurp(kFixtures / "state-v1-attachments.json"));
   const Json before_volumes = Json::parse(slurp(kFixtures / "state-v1-volumes.json"));
   back_volumes(before_volumes);
@@ -168,6 +173,12 @@ TEST_F(StateDatabaseTest, AVersion1DatabaseIsMigratedWithNothingLost) {
         EXPECT_EQ(volumes[i][field], before_volumes[i][field]) << field;
       }
       EXPECT_TRUE(volumes[i]["status_reason"].is_null()) << volumes[i];
+      EXPECT_EQ(volumes[i]["writer_policy"], "multi") << volumes[i];
+      EXPECT_TRUE(volumes[i]["writer"].is_null()) << volumes[i];
+      EXPECT_EQ(volumes[i]["fencing_generation"], 0) << volumes[i];
+    }
+    for (const Json& a : attachments) {  // every read-write one still writes
+      EXPECT_EQ(a["write_access"], a["mode"] == "rw" && a["attach_status"] != "detached") << a;
     }
     // The migrated database takes creates and deletes, each leaving no intent behind.
     const Json made = call(plane, "volume_create", {{"name", "new"}, {"size", "1M"}});
@@ -181,13 +192,26 @@ TEST_F(StateDatabaseTest, AVersion1DatabaseIsMigratedWithNothingLost) {
   EXPECT_EQ(sql(db_path(), "SELECT count(*) FROM volume_intent"), "0");
 }
 
+TEST_F(StateDatabaseTest, AVersion1DatabaseIsMigratedWithNothingLost) {
+  expect_migrated_from("state-v1.db", 1);
+}
+
+TEST_F(StateDatabaseTest, AVersion2DatabaseIsMigratedWithNothingLost) {
+  expect_migrated_from("state-v2.db", 2);
+}
+
 TEST_F(StateDatabaseTest, TheStatusColumnAdmitsOnlyTheLifecycleStates) {
   { ControlPlane plane(db_path(), store_, {}); }
   EXPECT_EQ(sql(db_path(), "PRAGMA user_version"),
             std::to_string(shareblk::control::kSchemaVersion));
-  EXPECT_EQ(sql(db_path(), "INSERT INTO volumes VALUES ('v', 'n', 512, 0, 0, 't')"), "");
+  EXPECT_EQ(sql(db_path(),
+                "INSERT INTO volumes (id, name, size, multiattach, bootable, created_at) "
+                "VALUES ('v', 'n', 512, 0, 0, 't')"),
+            "");
   const std::string insert =
-      "INSERT INTO volume_attachment VALUES ('a', 'v', 'i', 'h', 'rw', '%s', '', '', '', 'e', 't')";
+      "INSERT INTO volume_attachment (id, volume_id, instance_uuid, attached_host, mode, "
+      "attach_status, attach_time, detach_time, connector, export_name, created_at) "
+      "VALUES ('a', 'v', 'i', 'h', 'rw', '%s', '', '', '', 'e', 't')";
   std::string bogus = insert;
   bogus.replace(bogus.find("%s"), 2, "in-use");
   EXPECT_NE(sql(db_path(), bogus).find("CHECK constraint failed"), std::string::npos);

@@ -1,0 +1,475 @@
+// Takeover and fencing end to end (docs/fencing.md): a single-writer volume, libnbd clients on
+// the daemon's Unix socket, and volume_takeover / attachment_update while a client writes.
+#include <gtest/gtest.h>
+#include <libnbd.h>
+#include <signal.h>
+
+#include <algorithm>
+#include <atomic>
+#include <barrier>
+#include <chrono>
+#include <cstdint>
+#include <cstring>
+#include <fstream>
+#include <random>
+#include <regex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "tests/managed_daemon.h"
+#include "tests/nbd_client.h"
+
+namespace shareblk::testing {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+constexpr uint64_t kBlock = 4096;
+constexpr uint64_t kBlocks = 256;  // the region one run writes: 1 MiB
+constexpr unsigned kDepth = 32;
+constexpr uint64_t kMagic = 0x5348424c4b464e43;  // "SHBLKFNC"
+
+class FencingTest : public ManagedDaemonTest {
+ protected:
+  void SetUp() override { start(); }
+
+  std::string create_single(const std::string& size) {
+    return rpc_ok(
+        control(), "volume_create",
+        {{"name", "v"}, {"size", size}, {"multiattach", true}, {"writer_policy", "single"}})["id"];
+  }
+  Json attach_unix(const std::string& volume, const std::string& instance,
+                   const std::string& mode = "rw") {
+    return rpc_ok(control(), "attachment_create",
+                  {{"volume_id", volume},
+                   {"instance_uuid", instance},
+                   {"mode", mode},
+                   {"connector", {{"host", instance}, {"transport", "unix"}}}});
+  }
+  NbdHandle connect(const Json& attachment) {
+    NbdHandle h = nbd_connect(attachment["connection_info"]["data"]["uri"]);
+    EXPECT_TRUE(h) << nbd_get_error();
+    return h;
+  }
+  Json volume(const std::string& id) {
+    return rpc_ok(control(), "volume_show", {{"volume_id", id}});
+  }
+};
+
+// One 4 KiB write's contents: who, which run, which sequence number.
+struct Stamp {
+  uint64_t magic;
+  uint64_t run;
+  uint64_t seq;
+};
+
+void stamp(char* block, uint64_t run, uint64_t seq) {
+  std::memset(block, static_cast<int>(seq & 0xff), kBlock);
+  const Stamp s{kMagic, run, seq};
+  std::memcpy(block, &s, sizeof s);
+}
+
+// A writer at QD32 on one connection: each write goes to block seq % kBlocks of the region,
+// never to a block with a write still in flight, so that the last write acknowledged on a block
+// is the one it must hold.
+class QueuedWriter {
+ public:
+  QueuedWriter(nbd_handle* h, uint64_t run) : h_(h), run_(run), buffers_(kDepth * kBlock) {}
+
+  // Issues writes until `stop` is set, then waits for every one.
+  void run(const std::atomic<bool>& stop) {
+    std::vector<unsigned> free_slots;
+    for (unsigned i = 0; i < kDepth; ++i) free_slots.push_back(i);
+    std::vector<bool> busy(kBlocks, false);
+    while (!stop.load() || !in_flight_.empty()) {
+      while (!stop.load() && !free_slots.empty()) {
+        const uint64_t seq = issued_.load() + 1;
+        const uint64_t block = seq % kBlocks;
+        if (busy[block]) break;
+        const unsigned slot = free_slots.back();
+        free_slots.pop_back();
+        char* buf = &buffers_[slot * kBlock];
+        stamp(buf, run_, seq);
+        busy[block] = true;
+        issued_.store(seq);  // before it is sent: a seq above the mark was sent after it
+        auto* op = new Op{this, seq, slot};
+        const int64_t cookie =
+            nbd_aio_pwrite(h_, buf, kBlock, block * kBlock, {complete, op, nullptr}, 0);
+        if (cookie < 0) {
+          ADD_FAILURE() << "aio_pwrite: " << nbd_get_error();
+          delete op;
+          return;
+        }
+        in_flight_.push_back(op);
+      }
+      if (in_flight_.empty()) continue;
+      if (nbd_poll(h_, -1) < 0) {
+        ADD_FAILURE() << "poll: " << nbd_get_error();
+        return;
+      }
+      std::erase_if(in_flight_, [&](Op* op) {
+        if (!op->done) return false;
+        busy[op->seq % kBlocks] = false;
+        free_slots.push_back(op->slot);
+        results_.push_back({op->seq, op->error});
+        delete op;
+        return true;
+      });
+    }
+  }
+  uint64_t issued() const { return issued_.load(); }
+
+  struct Result {
+    uint64_t seq;
+    int error;
+  };
+  const std::vector<Result>& results() const { return results_; }
+
+ private:
+  struct Op {
+    QueuedWriter* writer;
+    uint64_t seq;
+    unsigned slot;
+    bool done = false;
+    int error = 0;
+  };
+  static int complete(void* data, int* error) {
+    auto* op = static_cast<Op*>(data);
+    op->done = true;
+    op->error = *error;
+    return 1;
+  }
+
+  nbd_handle* h_;
+  uint64_t run_;
+  std::vector<char> buffers_;
+  std::atomic<uint64_t> issued_{0};
+  std::vector<Op*> in_flight_;
+  std::vector<Result> results_;
+};
+
+double percentile(std::vector<double> v, double p) {
+  std::sort(v.begin(), v.end());
+  return v[std::min(v.size() - 1, static_cast<size_t>(p * static_cast<double>(v.size())))];
+}
+
+// The issue's test: a writer at QD32 on one attachment, volume_takeover to the other while it
+// writes, at a random moment. After the call returns no block holds a write the old writer
+// sent after it, every such write failed with EPERM, every write it saw acknowledged is intact,
+// and the new writer writes at once on its open connection. 200 runs, alternating direction.
+TEST_F(FencingTest, ATakeoverFencesAWriterAtQueueDepth32) {
+  const std::string vol = create_single("4M");
+  const Json a = attach_unix(vol, "node-a");
+  const Json b = attach_unix(vol, "node-b");
+  NbdHandle ha = connect(a);
+  NbdHandle hb = connect(b);
+  ASSERT_TRUE(ha && hb);
+  EXPECT_EQ(nbd_is_read_only(hb.get()), 0) << "a standby is advertised read-write";
+  struct Side {
+    std::string id;
+    nbd_handle* h;
+  };
+  Side writer{a["id"], ha.get()};
+  Side standby{b["id"], hb.get()};
+  ASSERT_EQ(volume(vol)["writer"], writer.id);
+
+  const int runs = 200;
+  std::mt19937 random(20261125);
+  std::vector<double> latency_ms;
+  uint64_t violations = 0, refused = 0, acknowledged = 0;
+  uint64_t generation = volume(vol)["fencing_generation"];
+  for (int run = 1; run <= runs; ++run) {
+    ASSERT_EQ(nbd_zero(writer.h, kBlocks * kBlock, 0, 0), 0) << nbd_get_error();
+    QueuedWriter q(writer.h, static_cast<uint64_t>(run));
+    std::atomic<bool> stop{false};
+    std::thread io([&] { q.run(stop); });
+    std::this_thread::sleep_for(std::chrono::microseconds(random() % 20000));
+    const auto t0 = Clock::now();
+    const Json moved =
+        rpc_ok(control(), "volume_takeover", {{"volume_id", vol}, {"attachment_id", standby.id}});
+    const uint64_t mark = q.issued();  // every write above it was sent after the return
+    latency_ms.push_back(std::chrono::duration<double, std::milli>(Clock::now() - t0).count());
+    EXPECT_EQ(moved["writer"], standby.id);
+    EXPECT_EQ(moved["fencing_generation"], ++generation);
+    // What the volume holds at the return, read by the new writer; then it overwrites the
+    // whole region at once, on the connection it had.
+    std::string at_return(kBlocks * kBlock, '\0');
+    ASSERT_EQ(nbd_pread(standby.h, at_return.data(), at_return.size(), 0, 0), 0) << nbd_get_error();
+    std::string mine(kBlocks * kBlock, '\0');
+    const uint64_t new_run = static_cast<uint64_t>(run) | (uint64_t{1} << 63);
+    for (uint64_t blk = 0; blk < kBlocks; ++blk) stamp(&mine[blk * kBlock], new_run, blk);
+    EXPECT_EQ(nbd_pwrite(standby.h, mine.data(), mine.size(), 0, 0), 0) << nbd_get_error();
+    // The old writer keeps sending for a while (at least 64 more writes).
+    while (q.issued() < mark + 64) std::this_thread::sleep_for(std::chrono::microseconds(100));
+    stop = true;
+    io.join();
+
+    std::vector<uint64_t> last_ok(kBlocks, 0);
+    for (const auto& r : q.results()) {
+      if (r.error == 0) {
+        ++acknowledged;
+        last_ok[r.seq % kBlocks] = std::max(last_ok[r.seq % kBlocks], r.seq);
+        if (r.seq > mark) {
+          ++violations;
+          ADD_FAILURE() << "run " << run << ": write " << r.seq << " sent after the takeover "
+                        << "returned (mark " << mark << ") succeeded";
+        }
+      } else {
+        ++refused;
+        EXPECT_EQ(r.error, EPERM) << "run " << run << " seq " << r.seq;
+      }
+    }
+    // At the return, every write acknowledged (then or later) had landed, and no other.
+    for (uint64_t blk = 0; blk < kBlocks; ++blk) {
+      Stamp st{};
+      std::memcpy(&st, &at_return[blk * kBlock], sizeof st);
+      const uint64_t held = st.magic == kMagic && st.run == static_cast<uint64_t>(run) ? st.seq : 0;
+      if (held > mark || held != last_ok[blk]) {
+        ++violations;
+        ADD_FAILURE() << "run " << run << " block " << blk << " held seq " << held
+                      << " at the return; last acknowledged " << last_ok[blk] << ", mark " << mark;
+      }
+    }
+    // And nothing of the old writer's landed after it: the new writer's data is whole.
+    std::string region(kBlocks * kBlock, '\0');
+    ASSERT_EQ(nbd_pread(standby.h, region.data(), region.size(), 0, 0), 0) << nbd_get_error();
+    for (uint64_t blk = 0; blk < kBlocks; ++blk) {
+      if (std::memcmp(&region[blk * kBlock], &mine[blk * kBlock], kBlock) != 0) {
+        ++violations;
+        ADD_FAILURE() << "run " << run << " block " << blk
+                      << ": a write of the old writer landed after the takeover returned";
+      }
+    }
+    std::swap(writer, standby);
+  }
+  std::printf(
+      "takeover under a QD32 writer: %d runs, %llu violations, %llu writes acknowledged, %llu "
+      "refused with EPERM; latency p50 %.2f ms, p99 %.2f ms, max %.2f ms\n",
+      runs, static_cast<unsigned long long>(violations),
+      static_cast<unsigned long long>(acknowledged), static_cast<unsigned long long>(refused),
+      percentile(latency_ms, 0.50), percentile(latency_ms, 0.99),
+      *std::max_element(latency_ms.begin(), latency_ms.end()));
+  EXPECT_EQ(violations, 0u);
+  EXPECT_GT(refused, 0u) << "the old writer never met the fence";
+}
+
+// 50 volume_takeover calls at once, each naming another attachment: they are serialized, so
+// each one that took effect moved write access from the writer before it to its own; the log's
+// chain of takeovers has no gap (at no moment two writers), the generation rose by exactly the
+// number that took effect, and the one writer at the end is the last of them.
+TEST_F(FencingTest, FiftyConcurrentTakeoversLeaveOneWriter) {
+  const std::string vol = create_single("1M");
+  std::vector<std::string> ids;
+  for (int i = 0; i < 50; ++i) ids.push_back(attach_unix(vol, "node-" + std::to_string(i))["id"]);
+  const Json before = volume(vol);
+  ASSERT_EQ(before["writer"], ids[0]);
+  const uint64_t generation = before["fencing_generation"];
+
+  std::barrier start_line(50);
+  std::vector<Json> replies(50);
+  std::vector<std::thread> callers;
+  for (int i = 0; i < 50; ++i) {
+    callers.emplace_back([&, i] {
+      start_line.arrive_and_wait();
+      replies[i] =
+          rpc(control(), "volume_takeover", {{"volume_id", vol}, {"attachment_id", ids[i]}});
+    });
+  }
+  for (auto& t : callers) t.join();
+  uint64_t took_effect = 0, last = 0;
+  std::string last_writer;
+  for (int i = 0; i < 50; ++i) {
+    if (replies[i].contains("result")) {
+      ++took_effect;
+      const uint64_t g = replies[i]["result"]["fencing_generation"];
+      if (g > last) {
+        last = g;
+        last_writer = replies[i]["result"]["writer"];
+      }
+    } else {
+      EXPECT_EQ(replies[i]["error"]["data"]["reason"], "already_writer") << replies[i];
+    }
+  }
+  const Json after = volume(vol);
+  EXPECT_EQ(after["fencing_generation"].get<uint64_t>(), generation + took_effect);
+  EXPECT_EQ(after["writer"], last_writer);
+  int writers = 0;
+  for (const Json& att : after["attachments"]) writers += att["write_access"].get<bool>();
+  EXPECT_EQ(writers, 1);
+
+  // The log, in generation order: each takeover took write access from the one before.
+  std::ifstream log(daemon_->log_path());
+  const std::regex line(R"(takeover: writer (\S+) -> (\S+) \(generation (\d+)\))");
+  std::map<uint64_t, std::pair<std::string, std::string>> chain;
+  for (std::string l; std::getline(log, l);) {
+    std::smatch m;
+    if (std::regex_search(l, m, line)) chain[std::stoull(m[3])] = {m[1], m[2]};
+  }
+  ASSERT_EQ(chain.size(), took_effect);
+  std::string holder = ids[0];
+  for (const auto& [g, change] : chain) {
+    EXPECT_EQ(change.first, holder) << "generation " << g << " took over from a non-writer";
+    holder = change.second;
+  }
+  EXPECT_EQ(holder, last_writer);
+}
+
+// Every refusal names its reason and changes nothing.
+TEST_F(FencingTest, ATakeoverThatCannotBeIsRefusedWithItsReason) {
+  const std::string vol = create_single("1M");
+  const std::string writer = attach_unix(vol, "node-a")["id"];
+  const std::string reader = attach_unix(vol, "node-b", "ro")["id"];
+  const std::string gone = attach_unix(vol, "node-c")["id"];
+  rpc_ok(control(), "attachment_delete", {{"attachment_id", gone}});
+  const std::string multi = create_volume("1M");
+  const std::string elsewhere =
+      attach(multi, "node-d", {{"host", "d"}, {"transport", "unix"}})["id"];
+  const Json before = volume(vol);
+
+  auto reason = [&](const std::string& v, const std::string& a) {
+    return rpc_reason(control(), "volume_takeover", {{"volume_id", v}, {"attachment_id", a}});
+  };
+  EXPECT_EQ(reason(vol, reader), "invalid_state");
+  EXPECT_EQ(reason(vol, gone), "invalid_state");
+  EXPECT_EQ(reason(vol, "00000000-0000-4000-8000-000000000000"), "not_found");
+  EXPECT_EQ(reason(vol, elsewhere), "not_found");
+  EXPECT_EQ(reason(multi, elsewhere), "not_single_writer");
+  EXPECT_EQ(reason(vol, writer), "already_writer");
+  EXPECT_EQ(rpc_reason(control(), "volume_takeover", {{"volume_id", vol}}), "invalid_params");
+  EXPECT_EQ(rpc_reason(control(), "volume_takeover",
+                       {{"volume_id", vol}, {"attachment_id", writer}, {"force", true}}),
+            "invalid_params");
+  const Json after = volume(vol);
+  EXPECT_EQ(after["writer"], before["writer"]);
+  EXPECT_EQ(after["fencing_generation"], before["fencing_generation"]);
+}
+
+// A standby is advertised read-write and refused every change until it takes over; the old
+// writer is refused from then on, on the connections it keeps.
+TEST_F(FencingTest, AStandbyWritesOnlyAfterItTakesOver) {
+  const std::string vol = create_single("4M");
+  const Json a = attach_unix(vol, "node-a");
+  const Json b = attach_unix(vol, "node-b");
+  EXPECT_TRUE(a["write_access"].get<bool>());
+  EXPECT_FALSE(b["write_access"].get<bool>());
+  EXPECT_TRUE(b["write_access_since"].is_null());
+  NbdHandle ha = connect(a), hb = connect(b);
+  ASSERT_TRUE(ha && hb);
+  EXPECT_EQ(nbd_is_read_only(hb.get()), 0);
+  const std::string data = pattern('s', 4096);
+  EXPECT_EQ(nbd_pwrite(ha.get(), data.data(), data.size(), 0, 0), 0);
+  expect_every_write_refused(hb.get(), {{0, 4096}, {1 << 20, 65536}});
+
+  rpc_ok(control(), "volume_takeover", {{"volume_id", vol}, {"attachment_id", b["id"]}});
+  const Json shown = rpc_ok(control(), "attachment_show", {{"attachment_id", b["id"]}});
+  EXPECT_TRUE(shown["write_access"].get<bool>());
+  EXPECT_FALSE(shown["write_access_since"].is_null());
+  EXPECT_EQ(nbd_pwrite(hb.get(), data.data(), data.size(), 8192, 0), 0) << nbd_get_error();
+  expect_every_write_refused(ha.get(), {{0, 4096}, {1 << 20, 65536}});
+  EXPECT_EQ(nbd_read(ha.get(), 8192, 4096), data) << "the old writer still reads";
+  const Json v = volume(vol);
+  EXPECT_EQ(v["writer"], b["id"]);
+  EXPECT_FALSE(v["writer_since"].is_null());
+}
+
+// rw -> ro takes effect on the open connection; ro -> rw closes it so that the client
+// negotiates read-write again; the writer of a single volume demoted leaves it without one.
+TEST_F(FencingTest, ALiveModeChangeRefusesOrReconnects) {
+  const std::string vol = create_single("4M");
+  const Json a = attach_unix(vol, "node-a");
+  NbdHandle h = connect(a);
+  ASSERT_TRUE(h);
+  const std::string data = pattern('m', 4096);
+  ASSERT_EQ(nbd_pwrite(h.get(), data.data(), data.size(), 0, 0), 0);
+
+  const Json ro =
+      rpc_ok(control(), "attachment_update", {{"attachment_id", a["id"]}, {"mode", "ro"}});
+  EXPECT_EQ(ro["mode"], "ro");
+  EXPECT_FALSE(ro["write_access"].get<bool>());
+  expect_every_write_refused(h.get(), {{0, 4096}});
+  EXPECT_EQ(nbd_read(h.get(), 0, 4096), data);
+  Json v = volume(vol);
+  EXPECT_TRUE(v["writer"].is_null());
+  EXPECT_EQ(v["fencing_generation"], 2);  // made writer, then none
+  // The same mode again changes nothing.
+  EXPECT_EQ(
+      rpc_ok(control(), "attachment_update", {{"attachment_id", a["id"]}, {"mode", "ro"}})["mode"],
+      "ro");
+  EXPECT_EQ(volume(vol)["fencing_generation"], 2);
+
+  const Json rw =
+      rpc_ok(control(), "attachment_update", {{"attachment_id", a["id"]}, {"mode", "rw"}});
+  EXPECT_TRUE(rw["write_access"].get<bool>()) << "the volume had no writer: it is the writer";
+  EXPECT_EQ(volume(vol)["writer"], a["id"]);
+  // The old connection was closed: its next request fails; a new one writes.
+  char byte = 0;
+  EXPECT_EQ(nbd_pread(h.get(), &byte, 1, 0, 0), -1);
+  NbdHandle again = connect(rw);
+  ASSERT_TRUE(again);
+  EXPECT_EQ(nbd_is_read_only(again.get()), 0);
+  EXPECT_EQ(nbd_pwrite(again.get(), data.data(), data.size(), 4096, 0), 0) << nbd_get_error();
+
+  EXPECT_EQ(rpc_reason(control(), "attachment_update", {{"attachment_id", a["id"]}}),
+            "invalid_params");
+  EXPECT_EQ(
+      rpc_reason(control(), "attachment_update",
+                 {{"attachment_id", a["id"]}, {"mode", "rw"}, {"connector", {{"host", "x"}}}}),
+      "invalid_params");
+  EXPECT_EQ(
+      rpc_reason(control(), "attachment_update", {{"attachment_id", a["id"]}, {"mode", "wo"}}),
+      "invalid_params");
+  rpc_ok(control(), "attachment_delete", {{"attachment_id", a["id"]}});
+  EXPECT_EQ(
+      rpc_reason(control(), "attachment_update", {{"attachment_id", a["id"]}, {"mode", "ro"}}),
+      "invalid_state");
+  EXPECT_TRUE(volume(vol)["writer"].is_null());
+}
+
+// Writer, policy and generation survive kill -9: after the restart the same attachment is the
+// writer and the standby is still refused.
+TEST_F(FencingTest, TheWriterSurvivesAKill) {
+  const std::string vol = create_single("4M");
+  const Json a = attach_unix(vol, "node-a");
+  const Json b = attach_unix(vol, "node-b");
+  rpc_ok(control(), "volume_takeover", {{"volume_id", vol}, {"attachment_id", b["id"]}});
+  const Json before = volume(vol);
+  daemon_->stop(SIGKILL);
+  daemon_.reset();
+  start();
+  const Json after = volume(vol);
+  EXPECT_EQ(after["writer"], b["id"]);
+  EXPECT_EQ(after["writer_policy"], "single");
+  EXPECT_EQ(after["fencing_generation"], before["fencing_generation"]);
+  NbdHandle ha = connect(a), hb = connect(b);
+  ASSERT_TRUE(ha && hb);
+  const std::string data = pattern('k', 4096);
+  EXPECT_EQ(nbd_pwrite(hb.get(), data.data(), data.size(), 0, 0), 0) << nbd_get_error();
+  expect_every_write_refused(ha.get(), {{0, 4096}});
+}
+
+// The writer's detach leaves the volume without one; standbys do not promote themselves.
+TEST_F(FencingTest, DetachingTheWriterLeavesNoWriter) {
+  const std::string vol = create_single("1M");
+  const Json a = attach_unix(vol, "node-a");
+  const Json b = attach_unix(vol, "node-b");
+  rpc_ok(control(), "attachment_delete", {{"attachment_id", a["id"]}});
+  Json v = volume(vol);
+  EXPECT_TRUE(v["writer"].is_null());
+  EXPECT_EQ(v["fencing_generation"], 2);
+  EXPECT_FALSE(rpc_ok(control(), "attachment_show", {{"attachment_id", b["id"]}})["write_access"]
+                   .get<bool>());
+  EXPECT_EQ(rpc_ok(control(), "volume_takeover",
+                   {{"volume_id", vol}, {"attachment_id", b["id"]}})["fencing_generation"],
+            3);
+  // writer_policy changes only while the volume is available.
+  EXPECT_EQ(
+      rpc_reason(control(), "volume_update", {{"volume_id", vol}, {"writer_policy", "multi"}}),
+      "volume_in_use");
+  EXPECT_EQ(rpc_reason(control(), "volume_create",
+                       {{"name", "x"}, {"size", "1M"}, {"writer_policy", "one"}}),
+            "invalid_params");
+}
+
+}  // namespace
+}  // namespace shareblk::testing
