@@ -88,9 +88,10 @@ void print_attachments(const Json& attachments) {
   for (const Json& a : attachments) {
     rows.push_back({text(a["id"]), text(a["volume_id"]), text(a["instance_uuid"]),
                     text(a["attached_host"]), text(a["mode"]), text(a["attach_status"]),
-                    text(a["connections"])});
+                    text(a["write_access"]), text(a["connections"])});
   }
-  print_table({"ID", "VOLUME", "INSTANCE", "HOST", "MODE", "STATUS", "CONNECTIONS"}, rows);
+  print_table({"ID", "VOLUME", "INSTANCE", "HOST", "MODE", "STATUS", "WRITES", "CONNECTIONS"},
+              rows);
 }
 
 void print_object(const Json& object) {
@@ -160,15 +161,18 @@ struct Command {
 };
 
 const Command kCommands[] = {
-    {"volume_create", "NAME SIZE [--multiattach] [--bootable]",
+    {"volume_create", "NAME SIZE [--multiattach] [--bootable] [--writer-policy multi|single]",
      [](const std::vector<std::string>& args) {
        po::options_description d;
-       d.add_options()("multiattach", po::bool_switch())("bootable", po::bool_switch());
+       d.add_options()("multiattach", po::bool_switch())("bootable", po::bool_switch())(
+           "writer-policy", po::value<std::string>());
        auto vm = parse(args, d, {"name", "size"});
-       return Json{{"name", get(vm, "name")},
-                   {"size", size_value(get(vm, "size"))},
-                   {"multiattach", vm["multiattach"].as<bool>()},
-                   {"bootable", vm["bootable"].as<bool>()}};
+       Json p{{"name", get(vm, "name")},
+              {"size", size_value(get(vm, "size"))},
+              {"multiattach", vm["multiattach"].as<bool>()},
+              {"bootable", vm["bootable"].as<bool>()}};
+       if (vm.count("writer-policy")) p["writer_policy"] = get(vm, "writer-policy");
+       return p;
      },
      Command::View::Volume},
     {"volume_list", "",
@@ -193,13 +197,16 @@ const Command kCommands[] = {
        return Json{{"volume_id", get(vm, "volume_id")}, {"size", size_value(get(vm, "size"))}};
      },
      Command::View::Volume},
-    {"volume_update", "VOLUME_ID [--name N] [--multiattach true|false] [--bootable true|false]",
+    {"volume_update",
+     "VOLUME_ID [--name N] [--multiattach true|false] [--bootable true|false] [--writer-policy "
+     "multi|single]",
      [](const std::vector<std::string>& args) {
        po::options_description d;
        d.add_options()("name", po::value<std::string>())("multiattach", po::value<bool>())(
-           "bootable", po::value<bool>());
+           "bootable", po::value<bool>())("writer-policy", po::value<std::string>());
        auto vm = parse(args, d, {"volume_id"});
        Json p{{"volume_id", get(vm, "volume_id")}};
+       if (vm.count("writer-policy")) p["writer_policy"] = get(vm, "writer-policy");
        if (vm.count("name")) p["name"] = get(vm, "name");
        if (vm.count("multiattach")) p["multiattach"] = vm["multiattach"].as<bool>();
        if (vm.count("bootable")) p["bootable"] = vm["bootable"].as<bool>();
@@ -223,11 +230,19 @@ const Command kCommands[] = {
        return p;
      },
      Command::View::Attachment},
-    {"attachment_update", "ATTACHMENT_ID --connector-host H [--transport unix|tcp] [--ip IP]",
+    {"attachment_update",
+     "ATTACHMENT_ID (--connector-host H [--transport unix|tcp] [--ip IP] | --mode rw|ro)",
      [](const std::vector<std::string>& args) {
-       auto vm = parse(args, connector_options(), {"attachment_id"});
+       po::options_description d = connector_options();
+       d.add_options()("mode", po::value<std::string>());
+       auto vm = parse(args, d, {"attachment_id"});
        Json c = connector_from(vm);
-       if (c.is_null()) throw UsageError("attachment_update needs --connector-host");
+       if (vm.count("mode") && c.is_null()) {
+         return Json{{"attachment_id", get(vm, "attachment_id")}, {"mode", get(vm, "mode")}};
+       }
+       if (c.is_null() || vm.count("mode")) {
+         throw UsageError("attachment_update needs --connector-host or --mode, not both");
+       }
        return Json{{"attachment_id", get(vm, "attachment_id")}, {"connector", c}};
      },
      Command::View::Attachment},
@@ -256,6 +271,13 @@ const Command kCommands[] = {
        return Json{{"attachment_id", get(parse(args, {}, {"attachment_id"}), "attachment_id")}};
      },
      Command::View::Attachment},
+    {"volume_takeover", "VOLUME_ID ATTACHMENT_ID",
+     [](const std::vector<std::string>& args) {
+       auto vm = parse(args, {}, {"volume_id", "attachment_id"});
+       return Json{{"volume_id", get(vm, "volume_id")},
+                   {"attachment_id", get(vm, "attachment_id")}};
+     },
+     Command::View::Raw},
     {"volume_detach", "VOLUME_ID [--attachment-id A]",
      [](const std::vector<std::string>& args) {
        po::options_description d;
