@@ -113,7 +113,7 @@ Connector decode_connector(const Json& connector) {
   if (!connector.is_object()) invalid("connector must be an object");
   static constexpr std::string_view kConnectorKeys[] = {
       "host",      "ip",         "transport", "initiator", "platform", "os_type",
-      "multipath", "mountpoint", "uid",       "tls",       "tls_dn"};
+      "multipath", "mountpoint", "uid",       "tls",       "tls_dn",   "multi_conn"};
   only_keys(connector, kConnectorKeys);
   Connector c;
   c.host = need_string(connector, "host");
@@ -141,6 +141,10 @@ Connector decode_connector(const Json& connector) {
   }
   if (c.tls && c.transport == "fuse") {
     invalid("connector tls and tls_dn are for the \"tcp\" and \"unix\" transports");
+  }
+  c.multi_conn = opt_bool(connector, "multi_conn").value_or(false);
+  if (c.multi_conn && c.transport == "fuse") {
+    invalid("connector multi_conn is for the \"tcp\" and \"unix\" transports");
   }
   // Cinder's connector properties that shareblk stores and does not use: of their type.
   for (const char* key : {"initiator", "platform", "os_type"}) opt_string(connector, key);

@@ -55,6 +55,9 @@ struct Connector {
   std::optional<uint32_t> uid;        // unix only: the one local user admitted
   bool tls = false;                   // tcp/unix: the export is TLS-only, with a PSK of its own
   std::optional<std::string> tls_dn;  // tcp/unix: only this x509 client DN (implies tls)
+  // tcp/unix: several NBD connections at once (NBD_FLAG_CAN_MULTI_CONN); else a new one
+  // replaces the older ones (target::Export::exclusive).
+  bool multi_conn = false;
   std::string stored;
 };
 Connector decode_connector(const Json& connector);

@@ -293,7 +293,8 @@ target::ExportCatalog::Lookup Service::resolve(const std::string& export_name,
     a = *found;
     size = find_volume(tx, a.volume_id).size;
   }
-  const Admission admission = admit(Json::parse(a.connector), a.id, peer, policy_);
+  const Json connector = Json::parse(a.connector);
+  const Admission admission = admit(connector, a.id, peer, policy_);
   if (admission != Admission::Admitted) {
     refused_by_binding_.fetch_add(1, std::memory_order_relaxed);
     spdlog::info("nbd: refused {} the export of attachment {}: {}", describe(peer), a.id,
@@ -307,7 +308,10 @@ target::ExportCatalog::Lookup Service::resolve(const std::string& export_name,
       "nbd: admitted {} to attachment {} ({}{}{})", describe(peer), a.id, to_string(a.mode),
       a.mode == backend::AttachMode::ReadWrite && !access->granted() ? ", no write access" : "",
       peer.tls ? ", TLS" : "");
-  return {target::Export{volume, a.mode, a.id, "", std::move(access)}};
+  // One connection at a time, unless the connector asked for several: a reconnect replaces
+  // the old one (docs/nbd.md, "Reconnects").
+  const bool exclusive = !connector.value("multi_conn", false);
+  return {target::Export{volume, a.mode, a.id, "", std::move(access), exclusive}};
 }
 
 std::optional<std::string> Service::psk_key(const std::string& attachment_id) {

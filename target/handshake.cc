@@ -335,7 +335,7 @@ uint16_t transmission_flags(const Export& exp, bool structured_replies) {
   if (can.flush) flags |= kFlagSendFlush;
   if (can.fua) flags |= kFlagSendFua;
   if (can.cache) flags |= kFlagSendCache;
-  if (can.multi_conn) flags |= kFlagCanMultiConn;
+  if (can.multi_conn && !exp.exclusive) flags |= kFlagCanMultiConn;
   if (can.trim) flags |= kFlagSendTrim;
   if (can.zero) flags |= kFlagSendWriteZeroes;
   if (can.fast_zero) flags |= kFlagSendFastZero;

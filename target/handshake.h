@@ -28,6 +28,8 @@ struct Session {
   bool structured_replies = false;
   bool base_allocation = false;  // metadata context kBaseAllocationId selected
   uint16_t transmission_flags = 0;
+  // Set by the server when it adopts the connection: the how-manieth of its group it is.
+  uint64_t serial = 0;
 };
 
 inline constexpr uint32_t kBaseAllocationId = 1;

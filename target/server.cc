@@ -21,6 +21,7 @@
 #include <cstdint>
 #include <cstring>
 #include <mutex>
+#include <set>
 #include <system_error>
 #include <thread>
 #include <unordered_map>
@@ -276,17 +277,27 @@ struct Server::Impl final : ConnectionRegistry {
   std::unordered_set<int> handshake_fds;
   std::unordered_map<std::string, size_t> handshakes_by_peer;  // see peer_key()
   RateLimitedLog refusals;
-  std::unordered_map<std::string, size_t> live;  // group -> transmitting connections
+  // group -> the serials of its transmitting connections
+  std::unordered_map<std::string, std::set<uint64_t>> live;
+  // group -> the last serial given; kept while the group may get connections (Export::exclusive
+  // compares against it), dropped when the group is closed for good.
+  std::unordered_map<std::string, uint64_t> last_serial;
   std::unordered_set<std::string> closed_groups;
   std::unique_ptr<TlsContext> tls;            // null: NOTLS
   std::unordered_set<TlsConnection*> relays;  // TLS connections in their transmission phase
 
   void accept_loop(Listener& listener);
   void handshake(int fd, bool tcp, const std::string& key);
-  void connection_closed(const std::string& group) override {
+  // Waits until the group has no connection older than `serial`, draining them (then, past
+  // the grace period, cutting them off). Called without the lock.
+  void supersede(const std::string& group, uint64_t serial);
+  void connection_closed(const std::string& group, uint64_t serial) override {
     std::lock_guard lock(mutex);
     auto it = live.find(group);
-    if (it != live.end() && --it->second == 0) live.erase(it);
+    if (it != live.end()) {
+      it->second.erase(serial);
+      if (it->second.empty()) live.erase(it);
+    }
     --open_connections;
     changed.notify_all();
   }
@@ -372,16 +383,14 @@ void Server::Impl::handshake(int fd, bool tcp, const std::string& key) {
   enlarge_send_buffer(relayed ? plain[0] : fd);
 
   {
-    std::lock_guard lock(mutex);
+    std::unique_lock lock(mutex);
     handshake_fds.erase(fd);
     --handshakes;
     if (auto it = handshakes_by_peer.find(key);
         it != handshakes_by_peer.end() && --it->second == 0) {
       handshakes_by_peer.erase(it);
     }
-    // Checked under the lock that close_group() takes: an attachment deleted while this client
-    // negotiated never gets a live connection.
-    if (!session || stopping || closed_groups.count(session->exp.group) != 0) {
+    auto refuse = [&] {  // under the lock
       --open_connections;
       if (relayed) {
         ::close(plain[0]);
@@ -390,9 +399,28 @@ void Server::Impl::handshake(int fd, bool tcp, const std::string& key) {
       secure.reset();
       ::close(fd);
       changed.notify_all();
+    };
+    // Checked under the lock that close_group() takes: an attachment deleted while this client
+    // negotiated never gets a live connection.
+    if (!session || stopping || closed_groups.count(session->exp.group) != 0) {
+      refuse();
       return;
     }
-    ++live[session->exp.group];
+    const std::string group = session->exp.group;
+    const uint64_t serial = session->serial = ++last_serial[group];
+    if (session->exp.exclusive) {
+      lock.unlock();
+      supersede(group, serial);
+      lock.lock();
+      // Detached, stopping, or a newer connection of the group came meanwhile: the newest wins.
+      auto last = last_serial.find(group);
+      if (stopping || closed_groups.count(group) != 0 || last == last_serial.end() ||
+          last->second != serial) {
+        refuse();
+        return;
+      }
+    }
+    live[group].insert(serial);
     // Posted under the lock, so a close_group() that follows is queued after it.
     workers[next_worker++ % workers.size()]->adopt(relayed ? plain[0] : fd, std::move(*session));
     if (relayed) relays.insert(secure.get());
@@ -523,8 +551,30 @@ void Server::close_group(const std::string& group) {
   {
     std::lock_guard lock(impl_->mutex);
     impl_->closed_groups.insert(group);
+    impl_->last_serial.erase(group);
   }
   drain_group(group);
+}
+
+void Server::Impl::supersede(const std::string& group, uint64_t serial) {
+  auto none_older = [&] {
+    auto it = live.find(group);
+    return it == live.end() || *it->second.begin() >= serial;
+  };
+  std::unique_lock lock(mutex);
+  if (none_older()) return;
+  spdlog::info("nbd: a new connection of {} replaces its older ones; draining them", group);
+  lock.unlock();
+  for (auto& w : workers) w->close_group(group, false, serial);
+  lock.lock();
+  if (!changed.wait_for(lock, options.close_grace, none_older)) {
+    spdlog::warn("nbd: older connections of {} did not finish within the grace period; cutting off",
+                 group);
+    lock.unlock();
+    for (auto& w : workers) w->close_group(group, true, serial);
+    lock.lock();
+    changed.wait(lock, none_older);
+  }
 }
 
 // Closed while its connections drain, so that the wait cannot be outrun by clients that
@@ -563,7 +613,7 @@ void Server::drain_group(const std::string& group) {
 size_t Server::connections(const std::string& group) const {
   std::lock_guard lock(impl_->mutex);
   auto it = impl_->live.find(group);
-  return it == impl_->live.end() ? 0 : it->second;
+  return it == impl_->live.end() ? 0 : it->second.size();
 }
 
 }  // namespace shareblk::target

@@ -57,6 +57,13 @@ struct Export {
   std::string description;
   // The attachment's write access (backend::WriteAccess); nullptr: always, in `mode`.
   std::shared_ptr<backend::WriteAccess> write_access;
+  // One connection at a time (an attachment: one host's). A client that finishes its
+  // handshake replaces the group's older connections: they stop reading and are closed once
+  // their requests in flight are answered, and only then is the new one served, so that a
+  // request left in an old connection never runs after a newer connection's (a client that
+  // re-sends a timed-out write on a new connection; docs/nbd.md, "Reconnects"). The export
+  // then does not advertise NBD_FLAG_CAN_MULTI_CONN.
+  bool exclusive = false;
 };
 
 class ExportCatalog {

@@ -250,11 +250,11 @@ void Worker::adopt(int fd, Session session) {
   });
 }
 
-void Worker::close_group(const std::string& group, bool now) {
-  post([group, now](Worker& w) {
+void Worker::close_group(const std::string& group, bool now, uint64_t below) {
+  post([group, now, below](Worker& w) {
     std::vector<Connection*> matching;
     for (Connection* c : w.connections_) {
-      if (c->group() == group) matching.push_back(c);
+      if (c->group() == group && c->serial() < below) matching.push_back(c);
     }
     for (Connection* c : matching) {
       if (now) {
@@ -298,8 +298,9 @@ void Worker::cancel_wait_for_budget(Connection* c) {
 void Worker::connection_finished(Connection* c) {
   connections_.erase(c);
   std::string group = c->group();
+  const uint64_t serial = c->serial();
   delete c;
-  registry_.connection_closed(group);
+  registry_.connection_closed(group, serial);
 }
 
 }  // namespace shareblk::target

@@ -100,6 +100,7 @@ class Connection {
   void abort();
 
   const std::string& group() const { return session_.exp.group; }
+  uint64_t serial() const { return session_.serial; }
   void finish_request(Request* r, int err);
   void on_recv(int res);
   void on_sent(int res);
@@ -205,7 +206,7 @@ class Connection {
 // Callbacks from workers to the server's registry of connections.
 class ConnectionRegistry {
  public:
-  virtual void connection_closed(const std::string& group) = 0;
+  virtual void connection_closed(const std::string& group, uint64_t serial) = 0;
 
  protected:
   ~ConnectionRegistry() = default;
@@ -235,8 +236,8 @@ class Worker {
   // Runs `task` on the worker thread.
   void post(std::function<void(Worker&)> task);
   void adopt(int fd, Session session);
-  // Drains (or, with `now`, aborts) every connection of `group`.
-  void close_group(const std::string& group, bool now);
+  // Drains (or, with `now`, aborts) every connection of `group` older than `below` (serial).
+  void close_group(const std::string& group, bool now, uint64_t below = UINT64_MAX);
 
   backend::Ring& ring() { return *ring_; }
   BufferPool& pool() { return pool_; }

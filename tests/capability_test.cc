@@ -148,7 +148,11 @@ class CapabilityTest : public ::testing::TestWithParam<const char*> {
                      {"connector", connector}});
     return rpc_ok(control_socket(), "attachment_complete", {{"attachment_id", a["id"]}});
   }
-  Json attach_nbd() { return attach("nbd-" + mode(), {{"host", "h"}, {"transport", "unix"}}); }
+  // With multi_conn, so that the listener may advertise every backend capability (without it
+  // an attachment takes one connection at a time and does not advertise CAN_MULTI_CONN).
+  Json attach_nbd() {
+    return attach("nbd-" + mode(), {{"host", "h"}, {"transport", "unix"}, {"multi_conn", true}});
+  }
 
   // The bytes a read-only attachment must leave alone.
   void expect_unchanged_if_read_only() {

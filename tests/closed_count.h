@@ -16,7 +16,7 @@ namespace shareblk::testing {
 
 class ClosedCount final : public target::ConnectionRegistry {
  public:
-  void connection_closed(const std::string& /*group*/) override {
+  void connection_closed(const std::string& /*group*/, uint64_t /*serial*/) override {
     std::lock_guard lock(mutex_);
     ++closed_;
     changed_.notify_all();

@@ -212,9 +212,11 @@ class ControlE2eTest : public ::testing::TestWithParam<std::string> {
 
   // An attachment through to attached, its connector on `transport`.
   Json attach(const std::string& volume_id, const std::string& instance, const std::string& mode,
-              const std::string& transport = "unix", const std::string& ip = "") {
+              const std::string& transport = "unix", const std::string& ip = "",
+              bool multi_conn = false) {
     Json connector{{"host", "host-" + instance}, {"transport", transport}};
     if (!ip.empty()) connector["ip"] = ip;
+    if (multi_conn) connector["multi_conn"] = true;
     Json a = ok("attachment_create", {{"volume_id", volume_id},
                                       {"instance_uuid", instance},
                                       {"mode", mode},
@@ -502,9 +504,11 @@ TEST_P(ControlE2eTest, ExtendIsSeenByNewConnections) {
   EXPECT_EQ(reason("volume_extend", {{"volume_id", vol}, {"size", "1M"}}), "invalid_params");
 }
 
+// A connector with multi_conn: several connections at once (without it a new one replaces the
+// older ones: tests/e2e_fencing_test.cc).
 TEST_P(ControlE2eTest, SeveralConnectionsPerAttachment) {
   const std::string vol = create_volume("multiconn", kMiB, false)["id"];
-  Json a = attach(vol, "instance", "rw");
+  Json a = attach(vol, "instance", "rw", "unix", "", /*multi_conn=*/true);
   const std::string id = a["id"];
   NbdHandle first = nbd_open(uri_of(a));
   NbdHandle second = nbd_open(uri_of(a));

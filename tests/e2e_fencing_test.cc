@@ -17,6 +17,7 @@
 #include <thread>
 #include <vector>
 
+#include "tests/e2e_nbd_fixture.h"
 #include "tests/managed_daemon.h"
 #include "tests/nbd_client.h"
 
@@ -424,6 +425,64 @@ TEST_F(FencingTest, ALiveModeChangeRefusesOrReconnects) {
       rpc_reason(control(), "attachment_update", {{"attachment_id", a["id"]}, {"mode", "ro"}}),
       "invalid_state");
   EXPECT_TRUE(volume(vol)["writer"].is_null());
+}
+
+// A write queued on an attachment's old connection (its header received, its payload stalled:
+// the client's socket paused, as a host that timed the request out and reconnected leaves it)
+// never runs after a newer connection of that attachment was served: the new connection's
+// handshake closes the old one first (ydb-platform/nbs#7070). The newer data stays.
+TEST_F(FencingTest, AStaleWriteOfAnOldConnectionNeverLandsAfterAReconnect) {
+  const std::string vol = create_single("4M");
+  const Json a = attach_unix(vol, "node-a");
+  e2e::RawClient old(nbd_socket());
+  ASSERT_TRUE(e2e::handshake(old, a["connection_info"]["data"]["export_name"]));
+  ASSERT_TRUE(e2e::send_request(old, nbd::kCmdWrite, 1, 0, 4096));
+  const std::string stale = pattern('O', 4096);
+  ASSERT_TRUE(old.send_all(stale.data(), 2048));  // then the socket stalls
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+
+  NbdHandle fresh = connect(a);
+  ASSERT_TRUE(fresh);
+  const std::string newer = pattern('N', 4096);
+  ASSERT_EQ(nbd_pwrite(fresh.get(), newer.data(), newer.size(), 0, 0), 0) << nbd_get_error();
+  ASSERT_EQ(nbd_flush(fresh.get(), 0), 0);
+  old.send_all(stale.data() + 2048, 2048);  // the rest arrives late (or finds it closed)
+  EXPECT_TRUE(old.closed_by_server());
+  EXPECT_EQ(nbd_read(fresh.get(), 0, 4096), newer);
+  EXPECT_EQ(rpc_ok(control(), "attachment_show", {{"attachment_id", a["id"]}})["connections"], 1);
+}
+
+// A reconnect replaces the older connection, which then fails; a connector with multi_conn
+// keeps several at once and advertises NBD_FLAG_CAN_MULTI_CONN.
+TEST_F(FencingTest, OneConnectionPerAttachmentUnlessMultiConn) {
+  const std::string vol = create_volume("4M");
+  const Json a = attach_unix(vol, "node-a");
+  NbdHandle first = connect(a);
+  ASSERT_TRUE(first);
+  EXPECT_EQ(nbd_can_multi_conn(first.get()), 0);
+  NbdHandle second = connect(a);
+  ASSERT_TRUE(second);
+  // The new one is served once the older one is closed; from then on the older one fails.
+  char byte = 0;
+  EXPECT_EQ(nbd_pread(second.get(), &byte, 1, 0, 0), 0) << nbd_get_error();
+  EXPECT_EQ(nbd_pread(first.get(), &byte, 1, 0, 0), -1) << "the older connection still serves";
+
+  const Json m =
+      attach(vol, "node-m", {{"host", "m"}, {"transport", "unix"}, {"multi_conn", true}});
+  NbdHandle one = connect(m), two = connect(m);
+  ASSERT_TRUE(one && two);
+  EXPECT_EQ(nbd_can_multi_conn(one.get()), 1);
+  EXPECT_EQ(nbd_pread(one.get(), &byte, 1, 0, 0), 0) << nbd_get_error();
+  EXPECT_EQ(nbd_pread(two.get(), &byte, 1, 0, 0), 0) << nbd_get_error();
+  EXPECT_EQ(rpc_reason(control(), "attachment_create",
+                       {{"volume_id", vol},
+                        {"instance_uuid", "node-f"},
+                        {"connector",
+                         {{"host", "f"},
+                          {"transport", "fuse"},
+                          {"mountpoint", "/mnt/x"},
+                          {"multi_conn", true}}}}),
+            "invalid_params");
 }
 
 // Writer, policy and generation survive kill -9: after the restart the same attachment is the
