@@ -374,6 +374,30 @@ TEST_F(FencingTest, AStandbyWritesOnlyAfterItTakesOver) {
   EXPECT_FALSE(v["writer_since"].is_null());
 }
 
+// The same over TCP: the standby's connection writes once it takes over, the old writer's
+// stops, and over the same connections.
+TEST_F(FencingTest, ATakeoverOverTcp) {
+  const std::string vol = create_single("4M");
+  auto attach_tcp = [&](const std::string& instance) {
+    return rpc_ok(control(), "attachment_create",
+                  {{"volume_id", vol},
+                   {"instance_uuid", instance},
+                   {"connector", {{"host", instance}, {"transport", "tcp"}}}});
+  };
+  const Json a = attach_tcp("node-a"), b = attach_tcp("node-b");
+  ASSERT_EQ(a["connection_info"]["data"]["uri"].get<std::string>().rfind("nbd://", 0), 0u);
+  NbdHandle ha = connect(a), hb = connect(b);
+  ASSERT_TRUE(ha && hb);
+  const std::string data = pattern('t', 4096);
+  EXPECT_EQ(nbd_pwrite(ha.get(), data.data(), data.size(), 0, 0), 0) << nbd_get_error();
+  expect_every_write_refused(hb.get(), {{0, 4096}});
+  rpc_ok(control(), "volume_takeover", {{"volume_id", vol}, {"attachment_id", b["id"]}});
+  expect_every_write_refused(ha.get(), {{0, 4096}});
+  EXPECT_EQ(nbd_pwrite(hb.get(), data.data(), data.size(), 4096, 0), 0) << nbd_get_error();
+  rpc_ok(control(), "attachment_update", {{"attachment_id", b["id"]}, {"mode", "ro"}});
+  expect_every_write_refused(hb.get(), {{0, 4096}});
+}
+
 // rw -> ro takes effect on the open connection; ro -> rw closes it so that the client
 // negotiates read-write again; the writer of a single volume demoted leaves it without one.
 TEST_F(FencingTest, ALiveModeChangeRefusesOrReconnects) {

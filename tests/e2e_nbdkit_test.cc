@@ -397,6 +397,45 @@ TEST_F(NbdkitE2eTest, DeleteRefusesConnectedHandlesFromTheNextRequest) {
   EXPECT_TRUE(nbdkit_->running());
 }
 
+// The plugin serves a single-writer volume's standby read-only; at a takeover both attachments'
+// connections are told to let go (ESHUTDOWN from their next request), and clients that
+// connect again get the new roles: the new writer writes, the old one is read-only.
+TEST_F(NbdkitE2eTest, TakeoverMakesThePluginsClientsConnectAgainInTheirNewRoles) {
+  const std::string vol = ok("volume_create", {{"name", "pair"},
+                                               {"size", 2 * kMiB},
+                                               {"multiattach", true},
+                                               {"writer_policy", "single"}})["id"];
+  Json a = attach(vol, "node-a", "rw");
+  Json b = attach(vol, "node-b", "rw");
+  start_nbdkit();
+  NbdHandle ha = nbd_open(kit_uri(export_of(a)));
+  NbdHandle hb = nbd_open(kit_uri(export_of(b)));
+  ASSERT_TRUE(ha && hb) << nbd_get_error();
+  EXPECT_EQ(nbd_is_read_only(ha.get()), 0);
+  EXPECT_EQ(nbd_is_read_only(hb.get()), 1) << "a standby through nbdkit is read-only";
+  const std::string data = pattern('\x61', 4096);
+  ASSERT_EQ(nbd_pwrite(ha.get(), data.data(), data.size(), 0, LIBNBD_CMD_FLAG_FUA), 0)
+      << nbd_get_error();
+
+  ok("volume_takeover", {{"volume_id", vol}, {"attachment_id", b["id"]}});
+  EXPECT_EQ(read_errno(ha.get()), ESHUTDOWN) << nbd_get_error();
+  EXPECT_EQ(read_errno(hb.get()), ESHUTDOWN) << nbd_get_error();
+  const std::string late = pattern('\x7a', 4096);
+  EXPECT_EQ(nbd_pwrite(ha.get(), late.data(), late.size(), 0, 0), -1);
+  EXPECT_EQ(st::read_file(backing(vol), 0, 4096), data);
+
+  ha = nbd_open(kit_uri(export_of(a)));
+  hb = nbd_open(kit_uri(export_of(b)));
+  ASSERT_TRUE(ha && hb) << nbd_get_error();
+  EXPECT_EQ(nbd_is_read_only(ha.get()), 1);
+  EXPECT_EQ(nbd_is_read_only(hb.get()), 0);
+  const std::string mine = pattern('\x62', 4096);
+  EXPECT_EQ(nbd_pwrite(hb.get(), mine.data(), mine.size(), 4096, LIBNBD_CMD_FLAG_FUA), 0)
+      << nbd_get_error();
+  EXPECT_EQ(st::read_file(backing(vol), 4096, 4096), mine);
+  EXPECT_EQ(nbd_read(ha.get(), 4096, 4096), mine);
+}
+
 // A daemon that goes away is an error for the plugin's clients, never a crash of nbdkit: the
 // plugin can no longer learn of revocations, so it refuses, and serves again once the daemon
 // is back.

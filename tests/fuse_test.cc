@@ -357,6 +357,43 @@ TEST_F(FuseThroughDaemon, AttachMountsDetachUnmountsAndTheBytesAreTheVolumes) {
   EXPECT_TRUE(mounted(dir_ / "mnt-ro"));
 }
 
+// The fence reaches FUSE attachments too: a standby's mount refuses writes until it takes
+// over, then the old writer's does; a live demotion refuses on the mount it has.
+TEST_F(FuseThroughDaemon, TakeoverAndModeChangeFenceTheMounts) {
+  const std::string single = rpc_ok(
+      socket(), "volume_create",
+      {{"name", "pair"}, {"size", "4M"}, {"multiattach", true}, {"writer_policy", "single"}})["id"];
+  auto attach_fuse = [&](const std::string& instance, const std::string& mountpoint) {
+    return rpc_ok(
+        socket(), "attachment_create",
+        {{"volume_id", single},
+         {"instance_uuid", instance},
+         {"connector", {{"host", instance}, {"transport", "fuse"}, {"mountpoint", mountpoint}}}});
+  };
+  const nlohmann::json a = attach_fuse("node-a", dir_ / "mnt-rw");
+  const nlohmann::json b = attach_fuse("node-b", dir_ / "mnt-ro");
+  auto write_at = [](const std::string& disk, char byte, off_t offset) {
+    int fd = ::open(disk.c_str(), O_RDWR);
+    if (fd < 0) return errno;
+    const std::string data(4096, byte);
+    int err =
+        ::pwrite(fd, data.data(), data.size(), offset) == 4096 && ::fsync(fd) == 0 ? 0 : errno;
+    ::close(fd);
+    return err;
+  };
+  const std::string disk_a = dir_ / "mnt-rw/disk", disk_b = dir_ / "mnt-ro/disk";
+  EXPECT_EQ(write_at(disk_a, 'a', 0), 0);
+  EXPECT_EQ(write_at(disk_b, 'b', 4096), EPERM) << "a standby wrote";
+  rpc_ok(socket(), "volume_takeover", {{"volume_id", single}, {"attachment_id", b["id"]}});
+  EXPECT_EQ(write_at(disk_a, 'A', 0), EPERM) << "the old writer wrote after the takeover";
+  EXPECT_EQ(write_at(disk_b, 'B', 4096), 0);
+  EXPECT_EQ(read_file(disk_b, 0, 4096), std::string(4096, 'a'));
+  EXPECT_EQ(read_file(disk_a, 4096, 4096), std::string(4096, 'B'));
+  rpc_ok(socket(), "attachment_update", {{"attachment_id", b["id"]}, {"mode", "ro"}});
+  EXPECT_EQ(write_at(disk_b, 'x', 4096), EPERM) << "written after its demotion";
+  EXPECT_EQ(read_file(disk_b, 4096, 4096), std::string(4096, 'B'));
+}
+
 TEST_F(FuseThroughDaemon, BusyMountIsDetachedLazilyAndSaysSo) {
   nlohmann::json rw = attach("writer", "rw", dir_ / "mnt-rw");
   int fd = ::open((dir_ / "mnt-rw/disk").c_str(), O_RDWR);
