@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# shellcheck source-path=SCRIPTDIR
 # Failover on one single-writer volume, with real NBD clients (libnbd and QEMU's), no VMs.
 #
 #   failover-nbd.sh [SHAREBLKD SHAREBLK]     (default: build/release/cmd/ of this checkout)
@@ -17,6 +18,7 @@
 # CI=true a missing tool is a failure instead).
 set -euo pipefail
 
+prog=failover-nbd
 here=$(cd "$(dirname "$0")" && pwd)
 root=$(cd "$here/../.." && pwd)
 shareblkd=${1:-$root/build/release/cmd/shareblkd}
@@ -24,15 +26,9 @@ shareblk=${2:-$root/build/release/cmd/shareblk}
 # Debian's python3: python3-libnbd's module is there, not in a pyenv or venv python3.
 python=/usr/bin/python3
 client=("$python" "$here/failover-client.py")
-
-skip() {
-  if [ "${CI:-}" = true ]; then
-    echo "failover-nbd: FAIL (CI=true, so not skipped): $*" >&2
-    exit 1
-  fi
-  echo "failover-nbd: SKIP: $*" >&2
-  exit 77
-}
+work=""
+# shellcheck source=lib.sh
+. "$here/lib.sh"
 
 for bin in "$shareblkd" "$shareblk"; do
   [ -x "$bin" ] || skip "$bin is not built (cmake --preset release && cmake --build build/release)"
@@ -48,61 +44,12 @@ cleanup() {
   local pid
   # Clients still running (a failure cut a case short): this shell's own jobs only.
   for pid in $(jobs -p); do [ "$pid" = "$daemon_pid" ] || kill -9 "$pid" 2>/dev/null || true; done
-  if [ -n "$daemon_pid" ]; then
-    kill "$daemon_pid" 2>/dev/null || true
-    wait "$daemon_pid" 2>/dev/null || true
-  fi
-  if [ "${KEEP_WORK:-}" = 1 ]; then echo "failover-nbd: kept $work" >&2; else rm -rf "$work"; fi
+  stop_daemon
+  if [ "${KEEP_WORK:-}" = 1 ]; then echo "$prog: kept $work" >&2; else rm -rf "$work"; fi
 }
 trap cleanup EXIT
 
-die() {
-  echo "failover-nbd: FAIL: $*" >&2
-  echo "--- shareblkd log (last 30 lines)" >&2
-  tail -n 30 "$work/shareblkd.log" >&2 || true
-  exit 1
-}
-
-now_ns() { date +%s%N; }
-ms_since() { echo $((($(now_ns) - $1) / 1000000)); }
-
-# --- the daemon ----------------------------------------------------------------------------
-
-"$shareblkd" --state-dir "$work/state" --listen-unix "$work/nbd.sock" \
-  --listen-tcp 127.0.0.1:0 >"$work/shareblkd.log" 2>&1 &
-daemon_pid=$!
-control=$work/state/shareblk.sock
-
-rpc() { # METHOD JSON -> the result, as JSON
-  "$shareblk" --socket "$control" --json call "$1" "$2"
-}
-field() { "$python" "$here/failover-client.py" json "$1"; }
-
-for _ in $(seq 200); do
-  rpc volume_list '{}' >/dev/null 2>&1 && break
-  kill -0 "$daemon_pid" 2>/dev/null || die "shareblkd exited at start"
-  sleep 0.05
-done
-rpc volume_list '{}' >/dev/null || die "shareblkd's control socket does not answer"
-
-# A single-writer volume with its writer on node-a (over the Unix socket) and a standby on
-# node-b (over TCP: each node may reach the daemon its own way). Sets vol, att_a, att_b,
-# uri_a, uri_b.
-make_volume() {
-  local name=$1 v a b
-  v=$(rpc volume_create "{\"name\":\"$name\",\"size\":\"64M\",\"multiattach\":true,\"writer_policy\":\"single\"}")
-  vol=$(field id <<<"$v")
-  a=$(rpc attachment_create "{\"volume_id\":\"$vol\",\"instance_uuid\":\"$name-a\",\"mode\":\"rw\",\"connector\":{\"host\":\"node-a\",\"transport\":\"unix\"}}")
-  b=$(rpc attachment_create "{\"volume_id\":\"$vol\",\"instance_uuid\":\"$name-b\",\"mode\":\"rw\",\"connector\":{\"host\":\"node-b\",\"transport\":\"tcp\"}}")
-  att_a=$(field id <<<"$a")
-  att_b=$(field id <<<"$b")
-  uri_a=$(field connection_info.data.uri <<<"$a")
-  uri_b=$(field connection_info.data.uri <<<"$b")
-  for att in "$att_a" "$att_b"; do rpc attachment_complete "{\"attachment_id\":\"$att\"}" >/dev/null; done
-  [ "$(field write_access <<<"$a")" = True ] || die "$name: node-a is not the writer"
-  [ "$(field write_access <<<"$b")" = False ] || die "$name: node-b is not a standby"
-  echo "$name: volume $vol, writer node-a ($uri_a), standby node-b ($uri_b)"
-}
+start_daemon
 
 # Waits until LOG has at least N lines starting with WORD; fails after 20 s or if PID died.
 wait_log() {
@@ -115,20 +62,12 @@ wait_log() {
   die "timed out waiting for $n '$word' lines in $log"
 }
 
-takeover() { # prints the result; fails unless node-b is now the writer
-  local r
-  r=$(rpc volume_takeover "{\"volume_id\":\"$vol\",\"attachment_id\":\"$att_b\"}") ||
-    die "volume_takeover failed"
-  [ "$(field writer <<<"$r")" = "$att_b" ] || die "takeover: writer is not node-b: $r"
-  echo "$r"
-}
-
 # --- case 1: the writer dies mid-write -------------------------------------------------------
 
 case1() {
   local dir=$work/case1 out r gen t0 summary
   mkdir -p "$dir"
-  make_volume failover-dies
+  make_volume failover-dies 64M unix tcp
 
   # The standby is a standby: QEMU's client, advertised read-write, gets EPERM on a write.
   out=$(qemu-io -f raw "$uri_b" -c 'write -P 0xbb 32M 4k' 2>&1 || true)
@@ -171,7 +110,7 @@ EOF
 case2() {
   local dir=$work/case2 t0 t1 r gen mark after
   mkdir -p "$dir"
-  make_volume failover-hangs
+  make_volume failover-hangs 64M unix tcp
 
   # B connects first and keeps that one connection: it must write after the takeover
   # without reconnecting.
@@ -233,4 +172,4 @@ EOF
 start=$(now_ns)
 case1
 case2
-echo "failover-nbd: both cases held ($(ms_since "$start") ms)"
+echo "$prog: both cases held ($(ms_since "$start") ms)"
