@@ -2,8 +2,8 @@
 """NBD clients and checks for failover-nbd.sh (and the check of failover-vm.sh).
 
 Run with Debian's /usr/bin/python3: the nbd module is python3-libnbd's, and a python3 that
-comes first on PATH (pyenv, a venv) usually does not have it. The `check` and `json`
-subcommands need no nbd module.
+comes first on PATH (pyenv, a venv) usually does not have it. The `check`, `check-vm` and
+`json` subcommands need no nbd module.
 
 A block is 4 KiB and says who wrote it and with which sequence number, so that a reader can
 tell an acknowledged write from one that never landed, one that landed where it should not,
@@ -24,6 +24,7 @@ import argparse
 import errno as errno_mod
 import json
 import os
+import re
 import sys
 import time
 
@@ -209,6 +210,71 @@ def cmd_check(args):
     sys.exit(1 if result["violations"] else 0)
 
 
+# --- checking what the guests of failover-vm.sh did ----------------------------------------
+
+
+def read_console(path):
+    """A guest's console log: SEND/ACK/FAIL SEQ TAG lines (TAG A, C: A's; B: B's)."""
+    events = {"SEND": {}, "ACK": {}, "FAIL": {}}
+    with open(path, "rb") as f:
+        for raw in f.read().split(b"\n")[:-1]:
+            m = re.match(rb"(SEND|ACK|FAIL) (\d+) ([ABC])\r?$", raw)
+            if m:
+                events[m[1].decode()][int(m[2])] = m[3].decode()
+    return events
+
+
+def cmd_check_vm(args):
+    """Checks a copy of the volume that the new writer's guest made against the consoles.
+
+    A's guest writes blocks tagged A, and C once it was told that the takeover returned; its
+    block for SEQ is at block SEQ - 1. B's guest writes its SEQ at block half + SEQ."""
+    a = read_console(args.a_console)
+    b = read_console(args.b_console) if args.b_console else None
+    with open(args.image, "rb") as f:
+        image = f.read()
+    half = len(image) // 2 // BLOCK
+    present, violations = {}, []
+    for index in range(half):
+        kind, tag, seq = parse_block(image[index * BLOCK:(index + 1) * BLOCK])
+        if kind == "zero":
+            continue
+        if kind == "bad" or tag not in ("A", "C") or seq != index + 1:
+            violations.append(f"block {index}: not A's block {index + 1} (torn or foreign)")
+            continue
+        present[seq] = tag
+        if tag == "C":
+            violations.append(f"seq {seq}: written after the guest knew of the takeover, landed")
+    acked = {s for s, t in a["ACK"].items() if t == "A"}
+    missing = sorted(acked - set(present))
+    violations += [f"seq {s}: acknowledged but missing" for s in missing[:20]]
+    after = {s for s, t in a["SEND"].items() if t == "C"}
+    after_acked = {s for s, t in a["ACK"].items() if t == "C"}
+    violations += [f"seq {s}: written after the takeover, acknowledged" for s in sorted(after_acked)]
+    result = {
+        "acknowledged": len(acked),
+        "verified": len(acked & set(present)),
+        "missing": len(missing),
+        "unacknowledged_landed": len(set(present) - acked),
+        "failed_before_retag": len([s for s, t in a["FAIL"].items() if t == "A"]),
+        "after_sent": len(after),
+        "after_failed": len([s for s, t in a["FAIL"].items() if t == "C"]),
+        "after_acknowledged": len(after_acked),
+        "after_landed": len([s for s, t in present.items() if t == "C"]),
+    }
+    if b is not None:
+        b_acked = sorted(s for s, t in b["ACK"].items() if t == "B")
+        b_bad = [s for s in b_acked
+                 if image[(half + s) * BLOCK:(half + s + 1) * BLOCK] != make_block("B", s)]
+        violations += [f"B seq {s}: acknowledged but not on the volume" for s in b_bad]
+        result["b_acknowledged"] = len(b_acked)
+        result["b_verified"] = len(b_acked) - len(b_bad)
+        result["b_failed"] = sorted(b["FAIL"])
+    result["violations"] = violations
+    print(json.dumps(result))
+    sys.exit(1 if violations else 0)
+
+
 # --- the standby that takes over ---------------------------------------------------------
 
 
@@ -268,6 +334,16 @@ def cmd_standby(args):
         json.dump(result, f)
 
 
+def cmd_console(args):
+    """Sends one line to a guest's serial console (a QEMU chardev socket, server=on)."""
+    import socket
+
+    with socket.socket(socket.AF_UNIX) as s:
+        s.connect(args.socket)
+        s.sendall(args.line.encode() + b"\n")
+        time.sleep(0.2)  # let QEMU take the line before the connection closes
+
+
 # --- JSON from the CLI -------------------------------------------------------------------
 
 
@@ -308,6 +384,15 @@ def main():
     s.add_argument("--writes", type=int, default=64)
     s.add_argument("--timeout", type=float, default=30)
     s.set_defaults(func=cmd_standby)
+    v = sub.add_parser("check-vm")
+    v.add_argument("image")
+    v.add_argument("a_console")
+    v.add_argument("b_console", nargs="?")
+    v.set_defaults(func=cmd_check_vm)
+    o = sub.add_parser("console")
+    o.add_argument("socket")
+    o.add_argument("line")
+    o.set_defaults(func=cmd_console)
     j = sub.add_parser("json")
     j.add_argument("path")
     j.set_defaults(func=cmd_json)

@@ -108,7 +108,7 @@ EOF
 # --- case 2: the writer keeps writing through the takeover -----------------------------------
 
 case2() {
-  local dir=$work/case2 t0 t1 r gen mark after
+  local dir=$work/case2 t0 t1 r gen mark after conns_b
   mkdir -p "$dir"
   make_volume failover-hangs 64M unix tcp
 
@@ -126,6 +126,7 @@ case2() {
 
   # The takeover, while A has writes in flight. When it returns, the highest seq A had
   # logged as sent is the mark: every seq above it was sent after the return.
+  conns_b=$(admissions "$att_b")
   t0=$(now_ns)
   r=$(takeover)
   t1=$(now_ns)
@@ -147,6 +148,7 @@ case2() {
   # Every write A sent is now answered. B checks the volume on its own connection.
   echo "$mark" >"$dir/final"
   wait "$standby" || die "case 2: node-b's client failed"
+  [ "$(admissions "$att_b")" = "$conns_b" ] || die "case 2: node-b connected again after the takeover"
 
   "$python" - "$dir/result.json" <<'EOF' || die "case 2: violations (above)"
 import json, sys
@@ -155,7 +157,7 @@ for v in r["violations"]:
     print("case 2: VIOLATION:", v)
 print(f"case 2: node-b before the takeover: write {r['standby_write']}; after: "
       f"{r['b_written']} of {r['b_writes']} writes ok on the same connection, the first "
-      f"{r['first_write_ms_after_takeover']} ms after the takeover returned")
+      f"{r['first_write_ms_after_takeover']} ms after the takeover returned (no new connection)")
 print(f"case 2: node-a before the mark: acknowledged {r['acknowledged']}, verified "
       f"{r['verified']}, missing {r['missing']}; refused in the takeover window: "
       f"{r['refused_eperm'] - r['after_mark_eperm']}")

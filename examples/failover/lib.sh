@@ -83,3 +83,7 @@ takeover() { # volume_takeover to node-b; prints its result; fails unless node-b
   [ "$(field writer <<<"$r")" = "$att_b" ] || die "takeover: writer is not node-b: $r"
   echo "$r"
 }
+
+admissions() { # ATTACHMENT_ID: how many NBD connections the daemon admitted to it so far
+  grep -c "nbd: admitted .* to attachment $1 " "$work/shareblkd.log" || true
+}
