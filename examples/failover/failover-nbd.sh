@@ -174,4 +174,5 @@ EOF
 start=$(now_ns)
 case1
 case2
+finish_daemon
 echo "$prog: both cases held ($(ms_since "$start") ms)"

@@ -345,4 +345,5 @@ build_initramfs
 start_daemon
 case1
 case2
+finish_daemon
 echo "$prog: both cases held ($(ms_since "$start") ms)"

@@ -46,6 +46,18 @@ stop_daemon() {
   [ -n "${daemon_pid:-}" ] || return 0
   kill "$daemon_pid" 2>/dev/null || true
   wait "$daemon_pid" 2>/dev/null || true
+  daemon_pid=""
+}
+
+# At the end of a run: the daemon stops cleanly on SIGTERM, and said nothing a sanitizer says
+# (ctest runs these scripts against the ASan and TSan builds too).
+finish_daemon() {
+  local status=0
+  kill "$daemon_pid"
+  wait "$daemon_pid" || status=$?
+  daemon_pid=""
+  [ "$status" = 0 ] || die "shareblkd exited with status $status on SIGTERM"
+  ! grep -q 'Sanitizer' "$work/shareblkd.log" || die "shareblkd's log has a sanitizer report"
 }
 
 rpc() { # METHOD JSON: the call's result as JSON on stdout; a refusal fails
