@@ -96,6 +96,7 @@ Json Service::volume_takeover(const std::string& volume_id, const std::string& a
   }
   flush_volume(
       v, "attachment " + (old_id.empty() ? std::string("(none)") : old_id) + " no longer writes");
+  crash_point("volume_takeover:fenced");
   const std::string now = now_iso();
   make_writer(v, a.id, now);
   a.write_access_since = now;
@@ -119,6 +120,7 @@ Json Service::volume_takeover(const std::string& volume_id, const std::string& a
                        (journaled ? "; the old writer will be detached at the next start" : "") +
                        "; no attachment writes until a takeover succeeds");
   }
+  crash_point("volume_takeover:recorded");
   exports_.set_write_access(a.id, true);
   exports_.cut_subscribers(a.id);  // nbdkit resolved it without write access: connect again
   spdlog::info("control: volume {}: takeover: writer {} -> {} (generation {})", v.id,

@@ -531,6 +531,43 @@ TEST_F(FencingTest, TheWriterSurvivesAKill) {
   expect_every_write_refused(ha.get(), {{0, 4096}});
 }
 
+// kill -9 in the middle of a takeover: after the fence but before the record, the old writer
+// is the writer again after the restart (the call never returned); after the record, the new
+// one. Either way exactly one of the two writes, from the restart on.
+TEST_F(FencingTest, AKillInTheMiddleOfATakeoverLeavesOneWriter) {
+  for (const char* point : {"volume_takeover:fenced", "volume_takeover:recorded"}) {
+    SCOPED_TRACE(point);
+    const std::string vol = create_single("4M");
+    const Json a = attach_unix(vol, std::string("a-") + point);
+    const Json b = attach_unix(vol, std::string("b-") + point);
+    daemon_->stop(SIGTERM);
+    daemon_.reset();
+    std::vector<std::string> args{
+        "--state-dir",  dir_.path().string(), "--listen-unix", nbd_socket(),
+        "--listen-tcp", "127.0.0.1:0",        "--workers",     "1"};
+    daemon_ = std::make_unique<Daemon>(
+        args, control(),
+        std::vector<std::string>{"env", std::string("SHAREBLK_TEST_KILL_AT=") + point});
+    EXPECT_THROW(
+        rpc(control(), "volume_takeover", {{"volume_id", vol}, {"attachment_id", b["id"]}}),
+        std::runtime_error);
+    EXPECT_EQ(daemon_->stop(SIGKILL), 128 + SIGKILL);
+    daemon_.reset();
+    start();
+    const bool recorded = std::string(point) == "volume_takeover:recorded";
+    const Json v = volume(vol);
+    EXPECT_EQ(v["writer"], recorded ? b["id"] : a["id"]);
+    EXPECT_EQ(v["fencing_generation"], recorded ? 2 : 1);
+    NbdHandle ha = connect(a), hb = connect(b);
+    ASSERT_TRUE(ha && hb);
+    const std::string data = pattern('w', 4096);
+    nbd_handle* writer = recorded ? hb.get() : ha.get();
+    nbd_handle* other = recorded ? ha.get() : hb.get();
+    EXPECT_EQ(nbd_pwrite(writer, data.data(), data.size(), 0, 0), 0) << nbd_get_error();
+    expect_every_write_refused(other, {{0, 4096}});
+  }
+}
+
 // The writer's detach leaves the volume without one; standbys do not promote themselves.
 TEST_F(FencingTest, DetachingTheWriterLeavesNoWriter) {
   const std::string vol = create_single("1M");
