@@ -364,6 +364,13 @@ void Server::Impl::handshake(int fd, bool tcp, const std::string& key) {
   if (tls) secure = std::make_unique<TlsConnection>(*tls, fd, deadline);
   const Peer peer = peer_of(fd, tcp);
   std::optional<Session> session = negotiate(stream, *catalog, peer, secure.get());
+  if (session) {
+    // Its place among the group's connections, taken as soon as the client has its answer
+    // (before the TLS relay is set up): a client can have used this connection and given up on
+    // it only after this, so a connection it opened later always has a higher serial.
+    std::lock_guard lock(mutex);
+    session->serial = ++last_serial[session->exp.group];
+  }
   if (secure && !secure->failure().empty()) {
     refusals.warn("TLS handshake failed: " + secure->failure(), describe(peer));
   }
@@ -407,7 +414,7 @@ void Server::Impl::handshake(int fd, bool tcp, const std::string& key) {
       return;
     }
     const std::string group = session->exp.group;
-    const uint64_t serial = session->serial = ++last_serial[group];
+    const uint64_t serial = session->serial;
     if (session->exp.exclusive) {
       lock.unlock();
       supersede(group, serial);

@@ -484,10 +484,11 @@ TEST_F(FencingTest, OneConnectionPerAttachmentUnlessMultiConn) {
   NbdHandle first = connect(a);
   ASSERT_TRUE(first);
   EXPECT_EQ(nbd_can_multi_conn(first.get()), 0);
+  char byte = 0;
+  EXPECT_EQ(nbd_pread(first.get(), &byte, 1, 0, 0), 0) << nbd_get_error();
   NbdHandle second = connect(a);
   ASSERT_TRUE(second);
   // The new one is served once the older one is closed; from then on the older one fails.
-  char byte = 0;
   EXPECT_EQ(nbd_pread(second.get(), &byte, 1, 0, 0), 0) << nbd_get_error();
   EXPECT_EQ(nbd_pread(first.get(), &byte, 1, 0, 0), -1) << "the older connection still serves";
 
