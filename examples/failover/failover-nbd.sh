@@ -39,14 +39,6 @@ command -v qemu-io >/dev/null || skip "qemu-io is missing (Debian package qemu-u
 "$python" -c 'import nbd' 2>/dev/null || skip "$python has no nbd module (Debian package python3-libnbd)"
 
 work=$(mktemp -d "${TMPDIR:-/tmp}/failover-nbd.XXXXXX")
-daemon_pid=""
-cleanup() {
-  local pid
-  # Clients still running (a failure cut a case short): this shell's own jobs only.
-  for pid in $(jobs -p); do [ "$pid" = "$daemon_pid" ] || kill -9 "$pid" 2>/dev/null || true; done
-  stop_daemon
-  if [ "${KEEP_WORK:-}" = 1 ]; then echo "$prog: kept $work" >&2; else rm -rf "$work"; fi
-}
 trap cleanup EXIT
 
 start_daemon

@@ -66,14 +66,6 @@ if LC_ALL=C ldd "$busybox" 2>&1 | grep -q '=>'; then
 fi
 
 work=$(mktemp -d "${TMPDIR:-/tmp}/failover-vm.XXXXXX")
-daemon_pid=""
-cleanup() {
-  local pid
-  # QEMUs and anything else still running: this shell's own jobs only.
-  for pid in $(jobs -p); do [ "$pid" = "$daemon_pid" ] || kill -9 "$pid" 2>/dev/null || true; done
-  stop_daemon
-  if [ "${KEEP_WORK:-}" = 1 ]; then echo "$prog: kept $work" >&2; else rm -rf "$work"; fi
-}
 trap cleanup EXIT
 
 # --- the initramfs ---------------------------------------------------------------------------

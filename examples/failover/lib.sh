@@ -42,6 +42,15 @@ start_daemon() {
   die "shareblkd's control socket does not answer"
 }
 
+# The EXIT trap of both scripts: whatever this shell still runs (clients, QEMUs, when a
+# failure cut a case short; its own jobs only), the daemon, then $work unless KEEP_WORK=1.
+cleanup() {
+  local pid
+  for pid in $(jobs -p); do [ "$pid" = "${daemon_pid:-}" ] || kill -9 "$pid" 2>/dev/null || true; done
+  stop_daemon
+  if [ "${KEEP_WORK:-}" = 1 ]; then echo "$prog: kept $work" >&2; else rm -rf "$work"; fi
+}
+
 stop_daemon() {
   [ -n "${daemon_pid:-}" ] || return 0
   kill "$daemon_pid" 2>/dev/null || true
