@@ -178,7 +178,7 @@ namespace {
 // descriptor lives as long as this object, so a notice may shut it down at any time.
 class ClientConnection final : public Subscriber {
  public:
-  explicit ClientConnection(int fd) : fd_(fd) {}
+  explicit ClientConnection(int fd) : fd_(fd), server_(std::this_thread::get_id()) {}
   ~ClientConnection() override { ::close(fd_); }
   ClientConnection(const ClientConnection&) = delete;
   ClientConnection& operator=(const ClientConnection&) = delete;
@@ -202,6 +202,20 @@ class ClientConnection final : public Subscriber {
     ::shutdown(fd_, SHUT_RDWR);
   }
 
+  bool wait_gone(std::chrono::steady_clock::time_point deadline) override {
+    if (std::this_thread::get_id() == server_) return true;  // our own call: it cannot close
+    std::unique_lock lock(gone_mutex_);
+    if (gone_changed_.wait_until(lock, deadline, [&] { return gone_; })) return true;
+    ::shutdown(fd_, SHUT_RDWR);  // past its time: cut, which it must take as a revocation
+    return false;
+  }
+  // The client closed (or the daemon stops): nothing more is read from it.
+  void mark_gone() {
+    std::lock_guard lock(gone_mutex_);
+    gone_ = true;
+    gone_changed_.notify_all();
+  }
+
  private:
   bool send_all(const std::string& out, int flags) {
     const char* p = out.data();
@@ -217,7 +231,11 @@ class ClientConnection final : public Subscriber {
   }
 
   const int fd_;
+  const std::thread::id server_;  // the thread that reads its requests
   std::timed_mutex mutex_;
+  std::mutex gone_mutex_;
+  std::condition_variable gone_changed_;
+  bool gone_ = false;
 };
 
 }  // namespace
@@ -269,6 +287,7 @@ void ControlPlane::Impl::serve_client(int fd) {
       skipping = true;
     }
   }
+  connection->mark_gone();
   std::lock_guard lock(mutex);
   clients.erase(fd);  // the descriptor closes with the last reference to `connection`
   idle.notify_all();

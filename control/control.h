@@ -10,6 +10,7 @@
 
 #include <sys/types.h>
 
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -44,6 +45,11 @@ class Subscriber {
  public:
   virtual ~Subscriber() = default;
   virtual void notify(const std::string& line) = 0;
+  // After an attachment_revoked notice: waits until the subscriber has closed its connection,
+  // which it does once its requests in flight have finished (the nbdkit plugin), or until
+  // `deadline`, when its connection is cut and this returns false. A subscriber that cannot
+  // be waited for (the caller itself) returns at once.
+  virtual bool wait_gone(std::chrono::steady_clock::time_point /*deadline*/) { return true; }
 };
 
 // Who called, from SO_PEERCRED; logged with every call.

@@ -86,6 +86,17 @@ size_t ExportRegistry::notify_revoked(const std::string& attachment_id) {
                                           {"params", {{"attachment_id", attachment_id}}}}
                                .dump();
   for (const auto& s : targets) s->notify(line);
+  // Each closes its link once the requests it had started are done: then none of them can
+  // still change the volume (docs/fencing.md, "Frontends").
+  const auto deadline = std::chrono::steady_clock::now() + kSubscriberGrace;
+  size_t late = 0;
+  for (const auto& s : targets) late += s->wait_gone(deadline) ? 0 : 1;
+  if (late > 0) {
+    spdlog::error(
+        "control: attachment {}: {} nbdkit connection(s) did not let go within {} s; writes "
+        "they had started may still land",
+        attachment_id, late, kSubscriberGrace.count());
+  }
   return targets.size();
 }
 

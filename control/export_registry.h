@@ -5,6 +5,7 @@
 // revoke() cuts all three; it is the only way the control plane takes an attachment away.
 #pragma once
 
+#include <chrono>
 #include <cstddef>
 #include <map>
 #include <memory>
@@ -49,8 +50,9 @@ class ExportRegistry {
   bool set_write_access(const std::string& attachment_id, bool granted);
   void forget_write_access(const std::string& attachment_id);
   // Tells the subscribers that serve the attachment themselves (nbdkit) that they must let go
-  // of it: they refuse it from their next request on, and clients connect again to learn
-  // its new mode or write access. The plugin's requests already running are not waited for.
+  // of it, and waits (at most kSubscriberGrace) until each has finished the requests it had
+  // started and closed its link: they refuse the attachment from then on, and clients connect
+  // again to learn its new mode or write access.
   size_t cut_subscribers(const std::string& attachment_id) { return notify_revoked(attachment_id); }
   // Closes the attachment's NBD connections, once their requests in flight are answered,
   // without refusing new ones: clients connect again and negotiate afresh (a mode change).
@@ -78,6 +80,8 @@ class ExportRegistry {
   mutable std::mutex subscribers_mutex_;
   std::multimap<std::string, std::weak_ptr<Subscriber>> subscribers_;
   size_t max_subscribers_ = SIZE_MAX;
+  // How long a revocation waits for a subscriber to let go (as the NBD server's close grace).
+  static constexpr std::chrono::seconds kSubscriberGrace{10};
   mutable std::mutex revoked_mutex_;
   std::set<std::string> revoked_;
   mutable std::mutex access_mutex_;

@@ -9,19 +9,26 @@
 // the range checks are the backend's, not this plugin's.
 //
 // Revocation. The control connection that resolved the name stays open, and the daemon writes
-// an attachment_revoked notification on it before its attachment_delete returns, and when the
-// attachment's mode or write access changes (a takeover; docs/fencing.md). Every request
-// first looks for that notification (a poll of the socket that never waits), so a deleted
-// attachment is refused from the next request on, with ESHUTDOWN. The daemon does not wait for
-// nbdkit's connections to close: the plugin cannot close them itself (nbdkit 1.32 has no such
-// call), and refusing every request has the same effect on the data.
+// an attachment_revoked notification on it when the attachment is deleted, and when its mode or
+// write access changes (a takeover; docs/fencing.md). A watcher thread per connection takes
+// it at once: from then on every request is refused with ESHUTDOWN, and once the writes that
+// had already started are done (the connection's backend::WriteAccess is revoked, which waits
+// for them) the watcher closes the control link. The daemon waits for that close before its
+// call returns, so when attachment_delete or volume_takeover returns, no write of this
+// connection can still land. The plugin cannot close nbdkit's client connections itself (nbdkit
+// 1.32 has no such call); refusing every request has the same effect on the data, and clients
+// reconnect to learn the attachment's new state.
 //
 // A control connection that breaks (the daemon stopped or restarted) is treated like a
 // revocation: from then on the plugin could not learn of one, so it fails closed. Clients
 // reconnect and resolve their names again, as they would after shareblkd itself restarted.
 #define NBDKIT_API_VERSION 2
+#include <fcntl.h>
 #include <nbdkit-plugin.h>
+#include <poll.h>
+#include <sys/socket.h>
 #include <sys/un.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <cerrno>
@@ -32,6 +39,7 @@
 #include <mutex>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "backend/backend.h"
@@ -60,23 +68,56 @@ std::string control_path;
 // carries the attachment's revocation.
 class ControlLink {
  public:
-  // Connects to the daemon and calls export_resolve for `export_name`. On failure returns
-  // false with a message for nbdkit's log in `error`.
+  ControlLink() = default;
+  ~ControlLink();  // stops the watcher
+  ControlLink(const ControlLink&) = delete;
+  ControlLink& operator=(const ControlLink&) = delete;
+
+  // Connects to the daemon and calls export_resolve for `export_name`, then starts watching
+  // the link. On failure returns false with a message for nbdkit's log in `error`.
   bool resolve(const std::string& export_name, Json& result, std::string& error);
 
   // 0 while the attachment is live; ESHUTDOWN once it was revoked or the daemon went away.
   int check();
+  // The connection's write access: revoked (and drained) with the attachment.
+  const std::shared_ptr<backend::WriteAccess>& write_access() const { return access_; }
 
  private:
-  // Takes what the daemon sent (revocation notices) and the link's state.
+  // The watcher thread: takes each notice as it arrives, until revoked or stopped.
+  void watch();
+  // Takes what the daemon sent (revocation notices) and the link's state. Under mutex_.
   void take_news();
   void revoke(const std::string& why);
 
   rpc::Client client_;
   std::string attachment_id_;
   std::atomic<bool> revoked_{false};
-  std::mutex mutex_;  // client_'s reads
+  std::shared_ptr<backend::WriteAccess> access_ = std::make_shared<backend::WriteAccess>(true);
+  std::mutex mutex_;        // client_'s reads
+  int stop_[2] = {-1, -1};  // a pipe: the destructor wakes the watcher
+  std::thread watcher_;
 };
+
+ControlLink::~ControlLink() {
+  if (watcher_.joinable()) {
+    (void)!::write(stop_[1], "x", 1);
+    watcher_.join();
+  }
+  for (int fd : stop_) {
+    if (fd >= 0) ::close(fd);
+  }
+}
+
+void ControlLink::watch() {
+  while (!revoked_.load(std::memory_order_acquire)) {
+    pollfd ready[2] = {{client_.native_handle(), POLLIN, 0}, {stop_[0], POLLIN, 0}};
+    const int n = ::poll(ready, 2, -1);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0 || ready[1].revents != 0) return;
+    std::lock_guard lock(mutex_);
+    if (!revoked_.load(std::memory_order_relaxed)) take_news();
+  }
+}
 
 bool ControlLink::resolve(const std::string& export_name, Json& result, std::string& error) {
   if (const std::error_code ec = client_.connect(control_path, kControlTimeout)) {
@@ -100,6 +141,11 @@ bool ControlLink::resolve(const std::string& export_name, Json& result, std::str
   attachment_id_ = result["attachment_id"].get<std::string>();
   // A revocation may already have followed the reply.
   take_news();
+  if (::pipe2(stop_, O_CLOEXEC) != 0) {
+    error = std::string("cannot watch the control link: ") + std::strerror(errno);
+    return false;
+  }
+  watcher_ = std::thread([this] { watch(); });
   return true;
 }
 
@@ -136,6 +182,9 @@ void ControlLink::revoke(const std::string& why) {
   if (revoked_.exchange(true, std::memory_order_acq_rel)) return;
   nbdkit_debug("shareblk: attachment %s: %s; its requests are refused from now on",
                attachment_id_.c_str(), why.c_str());
+  access_->revoke();  // waits for the writes that had started
+  // Letting go: the daemon waits for this before its revoking call returns.
+  ::shutdown(client_.native_handle(), SHUT_RDWR);
 }
 
 // One nbdkit connection: the attachment it resolved to, and the volume as that attachment sees
@@ -234,8 +283,9 @@ void* shareblk_open(int readonly) {
     // standby): it tells us to let go when that changes, and the client connects again.
     const bool read_only = readonly != 0 || resolved.at("mode").get<std::string>() != "rw" ||
                            !resolved.value("write_access", true);
-    connection->io = backend::Handle(std::move(volume), read_only ? backend::AttachMode::ReadOnly
-                                                                  : backend::AttachMode::ReadWrite);
+    connection->io = read_only ? backend::Handle(std::move(volume), backend::AttachMode::ReadOnly)
+                               : backend::Handle(std::move(volume), backend::AttachMode::ReadWrite,
+                                                 connection->control.write_access());
     nbdkit_debug("shareblk: attachment %s of volume %s, %s",
                  resolved.at("attachment_id").get<std::string>().c_str(),
                  resolved.value("volume_id", "?").c_str(), read_only ? "read-only" : "read-write");

@@ -93,6 +93,10 @@ class Client {
   // can skip their lock while nothing has arrived.
   bool has_news() const noexcept;
 
+  // The socket, to poll(2) for news beside other descriptors, or to shutdown(2) from any
+  // thread; -1 when not connected. Reading or writing it directly would confuse the client.
+  int native_handle() const noexcept { return fd_; }
+
  private:
   // What a received line is to this client.
   enum class Line { Other, Notification, Reply };

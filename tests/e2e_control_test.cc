@@ -1067,10 +1067,11 @@ TEST_F(ControlLimitsTest, DeeplyNestedRequestsAreRefusedAndTheDaemonGoesOn) {
   EXPECT_TRUE(c.call("volume_list", Json::object()).contains("result"));
 }
 
-// A revocation notice goes out from inside attachment_delete, under the volume's lock. A
-// subscriber that takes no replies (here: a batch of 2,000 calls it never reads) used to hold
-// the delete, and every other change to that volume, until it went away. Its link is cut
-// instead, which a subscriber takes as a revocation.
+// A revocation notice goes out from inside attachment_delete, under the volume's lock, which
+// then waits for the subscriber to let go. A subscriber that takes no replies (here: a batch of
+// 2,000 calls it never reads) used to hold the delete, and every other change to that volume,
+// until it went away. It holds it at most the 10 s a subscriber has to let go (docs/api.md);
+// then its link is cut, which a subscriber takes as a revocation.
 TEST_F(ControlLimitsTest, ASubscriberThatDoesNotReadDoesNotHoldADelete) {
   const std::string vol = create_volume("v", kMiB, true)["id"];
   Json a = attach(vol, "writer", "rw");
@@ -1089,7 +1090,7 @@ TEST_F(ControlLimitsTest, ASubscriberThatDoesNotReadDoesNotHoldADelete) {
 
   const auto start = std::chrono::steady_clock::now();
   ok("attachment_delete", {{"attachment_id", a["id"]}});
-  EXPECT_LT(std::chrono::steady_clock::now() - start, seconds(5));
+  EXPECT_LT(std::chrono::steady_clock::now() - start, seconds(12));
   EXPECT_EQ(ok("volume_extend", {{"volume_id", vol}, {"size", "2M"}})["size"], 2 * kMiB);
   // The subscriber's link is closed: what was sent before the cut, then end of file.
   bool closed = false;

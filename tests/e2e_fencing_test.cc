@@ -20,16 +20,10 @@
 #include "tests/e2e_nbd_fixture.h"
 #include "tests/managed_daemon.h"
 #include "tests/nbd_client.h"
+#include "tests/takeover_writer.h"
 
 namespace shareblk::testing {
 namespace {
-
-using Clock = std::chrono::steady_clock;
-
-constexpr uint64_t kBlock = 4096;
-constexpr uint64_t kBlocks = 256;  // the region one run writes: 1 MiB
-constexpr unsigned kDepth = 32;
-constexpr uint64_t kMagic = 0x5348424c4b464e43;  // "SHBLKFNC"
 
 class FencingTest : public ManagedDaemonTest {
  protected:
@@ -58,103 +52,6 @@ class FencingTest : public ManagedDaemonTest {
   }
 };
 
-// One 4 KiB write's contents: who, which run, which sequence number.
-struct Stamp {
-  uint64_t magic;
-  uint64_t run;
-  uint64_t seq;
-};
-
-void stamp(char* block, uint64_t run, uint64_t seq) {
-  std::memset(block, static_cast<int>(seq & 0xff), kBlock);
-  const Stamp s{kMagic, run, seq};
-  std::memcpy(block, &s, sizeof s);
-}
-
-// A writer at QD32 on one connection: each write goes to block seq % kBlocks of the region,
-// never to a block with a write still in flight, so that the last write acknowledged on a block
-// is the one it must hold.
-class QueuedWriter {
- public:
-  QueuedWriter(nbd_handle* h, uint64_t run) : h_(h), run_(run), buffers_(kDepth * kBlock) {}
-
-  // Issues writes until `stop` is set, then waits for every one.
-  void run(const std::atomic<bool>& stop) {
-    std::vector<unsigned> free_slots;
-    for (unsigned i = 0; i < kDepth; ++i) free_slots.push_back(i);
-    std::vector<bool> busy(kBlocks, false);
-    while (!stop.load() || !in_flight_.empty()) {
-      while (!stop.load() && !free_slots.empty()) {
-        const uint64_t seq = issued_.load() + 1;
-        const uint64_t block = seq % kBlocks;
-        if (busy[block]) break;
-        const unsigned slot = free_slots.back();
-        free_slots.pop_back();
-        char* buf = &buffers_[slot * kBlock];
-        stamp(buf, run_, seq);
-        busy[block] = true;
-        issued_.store(seq);  // before it is sent: a seq above the mark was sent after it
-        auto* op = new Op{this, seq, slot};
-        const int64_t cookie =
-            nbd_aio_pwrite(h_, buf, kBlock, block * kBlock, {complete, op, nullptr}, 0);
-        if (cookie < 0) {
-          ADD_FAILURE() << "aio_pwrite: " << nbd_get_error();
-          delete op;
-          return;
-        }
-        in_flight_.push_back(op);
-      }
-      if (in_flight_.empty()) continue;
-      if (nbd_poll(h_, -1) < 0) {
-        ADD_FAILURE() << "poll: " << nbd_get_error();
-        return;
-      }
-      std::erase_if(in_flight_, [&](Op* op) {
-        if (!op->done) return false;
-        busy[op->seq % kBlocks] = false;
-        free_slots.push_back(op->slot);
-        results_.push_back({op->seq, op->error});
-        delete op;
-        return true;
-      });
-    }
-  }
-  uint64_t issued() const { return issued_.load(); }
-
-  struct Result {
-    uint64_t seq;
-    int error;
-  };
-  const std::vector<Result>& results() const { return results_; }
-
- private:
-  struct Op {
-    QueuedWriter* writer;
-    uint64_t seq;
-    unsigned slot;
-    bool done = false;
-    int error = 0;
-  };
-  static int complete(void* data, int* error) {
-    auto* op = static_cast<Op*>(data);
-    op->done = true;
-    op->error = *error;
-    return 1;
-  }
-
-  nbd_handle* h_;
-  uint64_t run_;
-  std::vector<char> buffers_;
-  std::atomic<uint64_t> issued_{0};
-  std::vector<Op*> in_flight_;
-  std::vector<Result> results_;
-};
-
-double percentile(std::vector<double> v, double p) {
-  std::sort(v.begin(), v.end());
-  return v[std::min(v.size() - 1, static_cast<size_t>(p * static_cast<double>(v.size())))];
-}
-
 // The issue's test: a writer at QD32 on one attachment, volume_takeover to the other while it
 // writes, at a random moment. After the call returns no block holds a write the old writer
 // sent after it, every such write failed with EPERM, every write it saw acknowledged is intact,
@@ -174,85 +71,18 @@ TEST_F(FencingTest, ATakeoverFencesAWriterAtQueueDepth32) {
   Side writer{a["id"], ha.get()};
   Side standby{b["id"], hb.get()};
   ASSERT_EQ(volume(vol)["writer"], writer.id);
+  const uint64_t generation = volume(vol)["fencing_generation"];
 
-  const int runs = 200;
   std::mt19937 random(20261125);
-  std::vector<double> latency_ms;
-  uint64_t violations = 0, refused = 0, acknowledged = 0;
-  uint64_t generation = volume(vol)["fencing_generation"];
-  for (int run = 1; run <= runs; ++run) {
-    ASSERT_EQ(nbd_zero(writer.h, kBlocks * kBlock, 0, 0), 0) << nbd_get_error();
-    QueuedWriter q(writer.h, static_cast<uint64_t>(run));
-    std::atomic<bool> stop{false};
-    std::thread io([&] { q.run(stop); });
-    std::this_thread::sleep_for(std::chrono::microseconds(random() % 20000));
-    const auto t0 = Clock::now();
-    const Json moved =
-        rpc_ok(control(), "volume_takeover", {{"volume_id", vol}, {"attachment_id", standby.id}});
-    const uint64_t mark = q.issued();  // every write above it was sent after the return
-    latency_ms.push_back(std::chrono::duration<double, std::milli>(Clock::now() - t0).count());
-    EXPECT_EQ(moved["writer"], standby.id);
-    EXPECT_EQ(moved["fencing_generation"], ++generation);
-    // What the volume holds at the return, read by the new writer; then it overwrites the
-    // whole region at once, on the connection it had.
-    std::string at_return(kBlocks * kBlock, '\0');
-    ASSERT_EQ(nbd_pread(standby.h, at_return.data(), at_return.size(), 0, 0), 0) << nbd_get_error();
-    std::string mine(kBlocks * kBlock, '\0');
-    const uint64_t new_run = static_cast<uint64_t>(run) | (uint64_t{1} << 63);
-    for (uint64_t blk = 0; blk < kBlocks; ++blk) stamp(&mine[blk * kBlock], new_run, blk);
-    EXPECT_EQ(nbd_pwrite(standby.h, mine.data(), mine.size(), 0, 0), 0) << nbd_get_error();
-    // The old writer keeps sending for a while (at least 64 more writes).
-    while (q.issued() < mark + 64) std::this_thread::sleep_for(std::chrono::microseconds(100));
-    stop = true;
-    io.join();
-
-    std::vector<uint64_t> last_ok(kBlocks, 0);
-    for (const auto& r : q.results()) {
-      if (r.error == 0) {
-        ++acknowledged;
-        last_ok[r.seq % kBlocks] = std::max(last_ok[r.seq % kBlocks], r.seq);
-        if (r.seq > mark) {
-          ++violations;
-          ADD_FAILURE() << "run " << run << ": write " << r.seq << " sent after the takeover "
-                        << "returned (mark " << mark << ") succeeded";
-        }
-      } else {
-        ++refused;
-        EXPECT_EQ(r.error, EPERM) << "run " << run << " seq " << r.seq;
-      }
-    }
-    // At the return, every write acknowledged (then or later) had landed, and no other.
-    for (uint64_t blk = 0; blk < kBlocks; ++blk) {
-      Stamp st{};
-      std::memcpy(&st, &at_return[blk * kBlock], sizeof st);
-      const uint64_t held = st.magic == kMagic && st.run == static_cast<uint64_t>(run) ? st.seq : 0;
-      if (held > mark || held != last_ok[blk]) {
-        ++violations;
-        ADD_FAILURE() << "run " << run << " block " << blk << " held seq " << held
-                      << " at the return; last acknowledged " << last_ok[blk] << ", mark " << mark;
-      }
-    }
-    // And nothing of the old writer's landed after it: the new writer's data is whole.
-    std::string region(kBlocks * kBlock, '\0');
-    ASSERT_EQ(nbd_pread(standby.h, region.data(), region.size(), 0, 0), 0) << nbd_get_error();
-    for (uint64_t blk = 0; blk < kBlocks; ++blk) {
-      if (std::memcmp(&region[blk * kBlock], &mine[blk * kBlock], kBlock) != 0) {
-        ++violations;
-        ADD_FAILURE() << "run " << run << " block " << blk
-                      << ": a write of the old writer landed after the takeover returned";
-      }
-    }
+  TakeoverFigures f;
+  for (int run = 1; run <= 200; ++run) {
+    takeover_run(control(), vol, standby.id, writer.h, standby.h, run, EPERM, random, f);
     std::swap(writer, standby);
   }
-  std::printf(
-      "takeover under a QD32 writer: %d runs, %llu violations, %llu writes acknowledged, %llu "
-      "refused with EPERM; latency p50 %.2f ms, p99 %.2f ms, max %.2f ms\n",
-      runs, static_cast<unsigned long long>(violations),
-      static_cast<unsigned long long>(acknowledged), static_cast<unsigned long long>(refused),
-      percentile(latency_ms, 0.50), percentile(latency_ms, 0.99),
-      *std::max_element(latency_ms.begin(), latency_ms.end()));
-  EXPECT_EQ(violations, 0u);
-  EXPECT_GT(refused, 0u) << "the old writer never met the fence";
+  f.print("takeover under a QD32 writer (NBD)");
+  EXPECT_EQ(volume(vol)["fencing_generation"], generation + 200);
+  EXPECT_EQ(f.violations, 0u);
+  EXPECT_GT(f.refused, 0u) << "the old writer never met the fence";
 }
 
 // 50 volume_takeover calls at once, each naming another attachment: they are serialized, so

@@ -35,6 +35,7 @@
 #include "tests/nbd_client.h"
 #include "tests/nbdkit_child.h"
 #include "tests/support.h"
+#include "tests/takeover_writer.h"
 
 namespace {
 
@@ -434,6 +435,36 @@ TEST_F(NbdkitE2eTest, TakeoverMakesThePluginsClientsConnectAgainInTheirNewRoles)
       << nbd_get_error();
   EXPECT_EQ(st::read_file(backing(vol), 4096, 4096), mine);
   EXPECT_EQ(nbd_read(ha.get(), 4096, 4096), mine);
+}
+
+// The same through nbdkit and the plugin: the old writer's nbdkit connection is told to let
+// go, and the takeover returns only once its writes in flight are done; from then on it gets
+// ESHUTDOWN. Each run the writer connects afresh (its old connection is refused for good).
+TEST_F(NbdkitE2eTest, ATakeoverFencesAWriterThroughThePlugin) {
+  const std::string vol = ok("volume_create", {{"name", "pair"},
+                                               {"size", 4 * kMiB},
+                                               {"multiattach", true},
+                                               {"writer_policy", "single"}})["id"];
+  const Json a = attach(vol, "node-a", "rw");
+  const Json b = attach(vol, "node-b", "rw");
+  start_nbdkit();
+  auto through_kit = [&](const Json& att) { return nbd_open(kit_uri(export_of(att))); };
+  // The new writer's own connections, on shareblkd's listener.
+  NbdHandle direct_a = nbd_open(shareblkd_uri(a)), direct_b = nbd_open(shareblkd_uri(b));
+  ASSERT_TRUE(direct_a && direct_b);
+  std::mt19937 random(20261126);
+  st::TakeoverFigures f;
+  for (int run = 1; run <= 50; ++run) {
+    const bool a_writes = run % 2 == 1;
+    NbdHandle writer = through_kit(a_writes ? a : b);
+    ASSERT_TRUE(writer) << nbd_get_error();
+    ASSERT_EQ(nbd_is_read_only(writer.get()), 0) << "run " << run;
+    st::takeover_run(control_socket(), vol, (a_writes ? b : a)["id"], writer.get(),
+                     a_writes ? direct_b.get() : direct_a.get(), run, ESHUTDOWN, random, f);
+  }
+  f.print("takeover under a QD32 writer (nbdkit plugin)");
+  EXPECT_EQ(f.violations, 0u);
+  EXPECT_GT(f.refused, 0u);
 }
 
 // A daemon that goes away is an error for the plugin's clients, never a crash of nbdkit: the
