@@ -439,7 +439,8 @@ TEST_F(NbdkitE2eTest, TakeoverMakesThePluginsClientsConnectAgainInTheirNewRoles)
 
 // The same through nbdkit and the plugin: the old writer's nbdkit connection is told to let
 // go, and the takeover returns only once its writes in flight are done; from then on it gets
-// ESHUTDOWN. Each run the writer connects afresh (its old connection is refused for good).
+// ESHUTDOWN (EPERM for a write that had passed the plugin's check as its gate closed). Each run the
+// writer connects afresh (its old connection is refused for good).
 TEST_F(NbdkitE2eTest, ATakeoverFencesAWriterThroughThePlugin) {
   const std::string vol = ok("volume_create", {{"name", "pair"},
                                                {"size", 4 * kMiB},
