@@ -37,7 +37,10 @@ void Service::load_write_access(Database::Transaction& tx) {
       }
     }
     for (const AttachmentRow& a : attachments) {
-      if (is_live(a.attach_status)) exports_.set_write_access(a.id, may_write(a, v));
+      // One the journal still holds revoked (the database could not record it) gets none.
+      if (is_live(a.attach_status)) {
+        exports_.set_write_access(a.id, may_write(a, v) && !exports_.is_revoked(a.id));
+      }
     }
   }
 }
