@@ -3,9 +3,12 @@
 // Managed mode (the default) keeps volumes and attachments under --state-dir and serves them
 // through the control socket's attachment API. Standalone mode (`--export NAME=PATH[,ro]`,
 // repeatable) serves files or block devices directly, like qemu-nbd; the benchmarks use it.
+#include <fcntl.h>
 #include <grp.h>
 #include <signal.h>
 #include <spdlog/spdlog.h>
+#include <sys/file.h>
+#include <unistd.h>
 
 #include <boost/program_options.hpp>
 #include <cerrno>
@@ -97,6 +100,36 @@ bool parse_socket_access(const po::variables_map& vm, const std::string& name,
   }
   out.group = static_cast<gid_t>(gid);
   return true;
+}
+
+// Takes the state directory's lock (flock, so that it goes with the process however it ends)
+// and writes our pid into the file. When another daemon holds it: says which, and false.
+bool lock_state_dir(const std::filesystem::path& path) {
+  const int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600);
+  if (fd < 0) {
+    std::cerr << "shareblkd: cannot open " << path << ": " << std::strerror(errno) << "\n";
+    return false;
+  }
+  if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
+    const int err = errno;
+    char pid[32] = {};
+    const ssize_t n = ::pread(fd, pid, sizeof pid - 1, 0);
+    ::close(fd);
+    if (err == EWOULDBLOCK) {
+      std::string holder = n > 0 ? std::string(pid, static_cast<size_t>(n)) : "unknown";
+      holder.erase(holder.find_last_not_of(" \n") + 1);
+      std::cerr << "shareblkd: another shareblkd (pid " << holder << ") serves "
+                << path.parent_path() << "; this one exits and leaves its sockets alone\n";
+    } else {
+      std::cerr << "shareblkd: cannot lock " << path << ": " << std::strerror(err) << "\n";
+    }
+    return false;
+  }
+  const std::string pid = std::to_string(::getpid()) + "\n";
+  if (::ftruncate(fd, 0) != 0 || ::pwrite(fd, pid.data(), pid.size(), 0) < 0) {
+    spdlog::warn("cannot write the pid into {}: {}", path.string(), std::strerror(errno));
+  }
+  return true;  // the descriptor stays open, and the lock held, until the process ends
 }
 
 int run(int argc, char** argv) {
@@ -279,6 +312,9 @@ int run(int argc, char** argv) {
       std::cerr << "shareblkd: cannot create " << state << ": " << ec.message() << "\n";
       return 1;
     }
+    // One daemon per state directory: a second one would replace the first's sockets and
+    // share its database. Taken before anything is opened or bound; held until exit.
+    if (!lock_state_dir(state / "shareblkd.lock")) return 1;
     control_socket = vm.count("control-socket") ? vm["control-socket"].as<std::string>()
                                                 : (state / "shareblk.sock").string();
     if (options.listen_unix.empty() && options.listen_tcp.empty()) {
