@@ -122,7 +122,7 @@ case2() {
   t0=$(now_ns)
   r=$(takeover)
   t1=$(now_ns)
-  echo "$t1" >"$dir/go"
+  put_signal "$dir/go" "$t1"
   mark=$("${client[@]}" mark "$dir/a.log")
   gen=$(field fencing_generation <<<"$r")
   echo "case 2: volume_takeover to node-b returned in $(((t1 - t0) / 1000000)) ms," \
@@ -138,7 +138,7 @@ case2() {
   touch "$dir/stop"
   wait "$writer" || die "case 2: the writer failed"
   # Every write A sent is now answered. B checks the volume on its own connection.
-  echo "$mark" >"$dir/final"
+  put_signal "$dir/final" "$mark"
   wait "$standby" || die "case 2: node-b's client failed"
   [ "$(admissions "$att_b")" = "$conns_b" ] || die "case 2: node-b connected again after the takeover"
 

@@ -24,6 +24,13 @@ die() {
 }
 
 now_ns() { date +%s%N; }
+
+# PATH VALUE: a file the clients wait for and then read. Written aside and renamed, so that a
+# client never sees it existing but still empty.
+put_signal() {
+  echo "$2" >"$1.tmp"
+  mv "$1.tmp" "$1"
+}
 ms_since() { echo $((($(now_ns) - $1) / 1000000)); }
 
 # Starts shareblkd on $work/state, NBD on $work/nbd.sock and a free TCP port; sets daemon_pid.
