@@ -16,10 +16,11 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
-#include <fstream>
 #include <iostream>
 
 #include "backend/backend.h"
+#include "cmd/daemon_log.h"
+#include "cmd/daemon_options.h"
 #include "control/control.h"
 #include "lvm/volume_store.h"
 #include "target/target.h"
@@ -58,8 +59,8 @@ bool parse_export(const std::string& text, ExportSpec& spec, std::string& error)
 }
 
 // Blocks every signal we handle so that worker threads never see them; the main thread
-// waits for them with sigwait. SIGINT and SIGTERM stop the daemon cleanly; SIGHUP, SIGUSR1
-// and SIGUSR2, which an operator may send by mistake (or to another daemon's pid), are
+// waits for them with sigwait. SIGINT and SIGTERM stop the daemon cleanly; SIGHUP reloads;
+// SIGUSR1 and SIGUSR2, which an operator may send by mistake (or to another daemon's pid), are
 // logged and change nothing; SIGPIPE is ignored (a client that goes away is an error on its
 // socket, not a signal).
 sigset_t block_signals() {
@@ -132,114 +133,114 @@ bool lock_state_dir(const std::filesystem::path& path) {
   return true;  // the descriptor stays open, and the lock held, until the process ends
 }
 
-int run(int argc, char** argv) {
-  const target::ServerOptions defaults;  // the timeouts' defaults live there, once
-  auto ms = [](std::chrono::milliseconds d) { return static_cast<unsigned>(d.count()); };
-  po::options_description desc("shareblkd options");
-  // clang-format off
-  desc.add_options()
-    ("help,h", "show this help")
-    ("config", po::value<std::string>(), "read options from FILE (one `name = value` per line)")
-    ("state-dir", po::value<std::string>()->default_value("./var"),
-     "managed mode: database, control socket and file-store volumes live here")
-    ("control-socket", po::value<std::string>(), "control socket path (default STATE_DIR/shareblk.sock)")
-    ("store", po::value<std::string>()->default_value("file"), "volume store: file, or lvm:VG")
-    ("lvm-config", po::value<std::string>()->default_value(""),
-     "extra lvm2 --config text for the LVM store (e.g. a devices filter)")
-    ("allow_multiattach", po::value<bool>()->default_value(true),
-     "policy: volumes may be multiattach")
-    ("allow_multiattach_bootable", po::value<bool>()->default_value(true),
-     "policy: a bootable volume may have several attachments")
-    ("nbd-socket-mode", po::value<std::string>()->default_value("0660"),
-     "mode of the NBD Unix sockets (octal); connecting needs write permission")
-    ("nbd-socket-group", po::value<std::string>(),
-     "group of the NBD Unix sockets, a name or a number (default: the daemon's)")
-    ("control-socket-mode", po::value<std::string>()->default_value("0600"),
-     "mode of the control socket (octal)")
-    ("control-socket-group", po::value<std::string>(),
-     "group of the control socket, a name or a number (default: the daemon's)")
-    ("nbd-allow-root", po::bool_switch(),
-     "a unix attachment whose connector binds a uid admits root too")
-    ("tls", po::value<std::string>()->default_value("off"),
-     "TLS on the NBD listeners: off, on (TLS-only attachments need it) or require (all do)")
-    ("tls-x509-dir", po::value<std::string>(),
-     "x509 credentials: DIR/ca-cert.pem, server-cert.pem, server-key.pem[, ca-crl.pem]")
-    ("tls-psk-file", po::value<std::string>(),
-     "standalone mode: TLS-PSK keys (keys.psk lines identity:hexkey, as psktool writes)")
-    ("export", po::value<std::vector<std::string>>()->composing(),
-     "standalone mode: serve PATH as export NAME: NAME=PATH[,ro] (repeatable)")
-    ("listen-unix", po::value<std::vector<std::string>>()->composing(),
-     "listen for NBD on a Unix socket at PATH (repeatable; managed default STATE_DIR/nbd.sock)")
-    ("listen-tcp", po::value<std::vector<std::string>>()->composing(),
-     "listen for NBD on HOST:PORT (repeatable; default 127.0.0.1:10809 when no listener is given)")
-    ("workers", po::value<unsigned>()->default_value(0), "io_uring worker threads (0 = one per CPU)")
-    ("max-connections", po::value<unsigned>()->default_value(1024), "connections at most")
-    ("handshake-timeout-ms", po::value<unsigned>()->default_value(ms(defaults.handshake_timeout)),
-     "milliseconds a client has for its whole handshake")
-    ("max-handshakes", po::value<unsigned>()->default_value(defaults.max_handshakes),
-     "connections in their handshake at most (fewer than --max-connections)")
-    ("max-handshakes-per-peer",
-     po::value<unsigned>()->default_value(defaults.max_handshakes_per_peer),
-     "connections in their handshake at most from one TCP address or one local uid")
-    ("send-timeout-ms", po::value<unsigned>()->default_value(ms(defaults.send_timeout)),
-     "milliseconds a client may take none of its replies before it is cut off (0 = never)")
-    ("payload-timeout-ms", po::value<unsigned>()->default_value(ms(defaults.payload_timeout)),
-     "milliseconds a client may send none of a request's payload before it is cut off "
-     "(0 = never)")
-    ("peer-timeout-ms", po::value<unsigned>()->default_value(ms(defaults.peer_timeout)),
-     "milliseconds a TCP client's host may stay silent before its connection is dropped "
-     "(0 = the kernel's defaults)")
-    ("payload-memory-mib", po::value<uint64_t>()->default_value(0),
-     "MiB of request payloads all NBD connections may hold at once (0 = a quarter of RAM)")
-    ("max-control-connections", po::value<unsigned>()->default_value(4096),
-     "control-socket clients at once (each nbdkit connection through the plugin holds one)")
-    ("buffered", po::bool_switch(), "use the page cache instead of O_DIRECT")
-    ("log-level", po::value<std::string>()->default_value("info"),
-     "trace, debug, info, warn, error");
-  // clang-format on
+// The policy the options name; at start and on SIGHUP.
+control::Policy policy_from(const po::variables_map& vm, const target::TlsOptions& tls) {
+  control::Policy policy;
+  policy.allow_multiattach = vm["allow-multiattach"].as<bool>();
+  policy.allow_multiattach_bootable = vm["allow-multiattach-bootable"].as<bool>();
+  policy.nbd_allow_root = vm["nbd-allow-root"].as<bool>();
+  policy.tls = tls.mode;
+  policy.tls_x509 = !tls.x509_dir.empty();
+  return policy;
+}
+
+// SIGHUP: reads the options again (the command line and the --config file) and applies what can
+// change while serving: the log file (reopened), the log level, the policy and the TLS
+// credentials. Every connection stays; anything else in the file waits for a restart. A file
+// that does not parse changes nothing.
+void reload(int argc, char** argv, control::ControlPlane* plane, target::Server& server,
+            const target::TlsOptions& tls) {
   po::variables_map vm;
-  try {
-    po::store(po::parse_command_line(argc, argv, desc), vm);
-    if (vm.count("config")) {
-      const std::string file = vm["config"].as<std::string>();
-      std::ifstream in(file);
-      if (!in) throw std::runtime_error("cannot read config file " + file);
-      po::store(po::parse_config_file(in, desc), vm);
+  std::vector<std::string> warnings;
+  std::string error;
+  if (!cmd::reopen_log(error))
+    spdlog::error("SIGHUP: log file: {}; logging on to the old one", error);
+  if (!cmd::load_options(argc, argv, vm, warnings, error)) {
+    spdlog::error("SIGHUP: options not reloaded, the old ones stay: {}", error);
+    return;
+  }
+  for (const std::string& w : warnings) spdlog::warn("{}", w);
+  std::string policy = "unchanged";
+  if (plane) {
+    const std::string changed = plane->set_policy(policy_from(vm, tls));
+    if (!changed.empty()) policy = changed;
+  }
+  std::string credentials = "off";
+  if (tls.mode != target::TlsOptions::Mode::Off) {
+    credentials =
+        server.reload_tls(error) ? "not reloaded, the old ones stay: " + error : "reloaded";
+  }
+  spdlog::info("SIGHUP: reloaded: log level {}, policy {}, TLS credentials {}",
+               vm["log-level"].as<std::string>(), policy, credentials);
+  // Last, so that the line above is logged even when the new level is quieter.
+  spdlog::set_level(spdlog::level::from_str(vm["log-level"].as<std::string>()));
+}
+
+// The TCP endpoint connection_info URIs name: --advertise-address with the port bound, or the
+// bound address itself. A wildcard address reaches no one: then this host's name, and a warning.
+std::string advertised_tcp(const std::string& bound, const po::variables_map& vm) {
+  const size_t colon = bound.rfind(':');
+  const std::string host = bound.substr(0, colon);
+  const std::string port = bound.substr(colon + 1);
+  if (vm.count("advertise-address")) {
+    std::string advertised = vm["advertise-address"].as<std::string>();
+    if (advertised.find(':') != std::string::npos && advertised.front() != '[') {
+      advertised = "[" + advertised + "]";  // an IPv6 address, as a URI writes it
     }
-    po::notify(vm);
-  } catch (const std::exception& e) {
-    std::cerr << "shareblkd: " << e.what() << "\n" << desc;
+    return advertised + ":" + port;
+  }
+  if (host != "0.0.0.0" && host != "[::]") return bound;
+  char name[256] = {};
+  ::gethostname(name, sizeof name - 1);
+  spdlog::warn(
+      "listening on the wildcard address {}: connection_info names this host as '{}' (its "
+      "hostname); give --advertise-address HOST to name the address clients should use",
+      bound, name);
+  return std::string(name) + ":" + port;
+}
+
+int run(int argc, char** argv) {
+  po::variables_map vm;
+  std::vector<std::string> warnings;
+  std::string error;
+  if (!cmd::load_options(argc, argv, vm, warnings, error)) {
+    std::cerr << "shareblkd: " << error << " (shareblkd --help lists the options)\n";
     return 2;
   }
   if (vm.count("help")) {
-    std::cout << desc;
+    std::cout << cmd::daemon_options();
     return 0;
   }
   spdlog::set_level(spdlog::level::from_str(vm["log-level"].as<std::string>()));
+  if (vm.count("log-file") && !cmd::log_to(vm["log-file"].as<std::string>(), error)) {
+    std::cerr << "shareblkd: --log-file: " << error << "\n";
+    return 1;
+  }
+  for (const std::string& w : warnings) spdlog::warn("{}", w);
 
   target::ServerOptions options;
   if (vm.count("listen-unix"))
     options.listen_unix = vm["listen-unix"].as<std::vector<std::string>>();
   if (vm.count("listen-tcp")) options.listen_tcp = vm["listen-tcp"].as<std::vector<std::string>>();
-  options.workers = vm["workers"].as<unsigned>();
-  options.max_connections = vm["max-connections"].as<unsigned>();
-  options.payload_memory = vm["payload-memory-mib"].as<uint64_t>() << 20;
-  options.max_handshakes = vm["max-handshakes"].as<unsigned>();
-  options.max_handshakes_per_peer = vm["max-handshakes-per-peer"].as<unsigned>();
+  options.workers = vm["workers"].as<cmd::Workers>().value;
+  options.max_connections = vm["max-connections"].as<cmd::Count>().value;
+  options.payload_memory = vm["payload-memory-mib"].as<cmd::MiB>().value << 20;
+  options.max_handshakes = vm["max-handshakes"].as<cmd::Count>().value;
+  options.max_handshakes_per_peer = vm["max-handshakes-per-peer"].as<cmd::Count>().value;
   if (options.max_handshakes == 0 || options.max_handshakes_per_peer == 0) {
     std::cerr << "shareblkd: --max-handshakes and --max-handshakes-per-peer must be at least 1\n";
     return 2;
   }
-  options.handshake_timeout = std::chrono::milliseconds(vm["handshake-timeout-ms"].as<unsigned>());
+  options.handshake_timeout =
+      std::chrono::milliseconds(vm["handshake-timeout-ms"].as<cmd::Milliseconds>().value);
   if (options.handshake_timeout.count() == 0) {
     std::cerr << "shareblkd: --handshake-timeout-ms must be at least 1\n";
     return 2;
   }
   target::SocketAccess control_access;
-  std::string access_error;
-  if (!parse_socket_access(vm, "nbd-socket", options.unix_access, access_error) ||
-      !parse_socket_access(vm, "control-socket", control_access, access_error)) {
-    std::cerr << "shareblkd: " << access_error << "\n";
+  if (!parse_socket_access(vm, "nbd-socket", options.unix_access, error) ||
+      !parse_socket_access(vm, "control-socket", control_access, error)) {
+    std::cerr << "shareblkd: " << error << "\n";
     return 2;
   }
   const std::string tls_mode = vm["tls"].as<std::string>();
@@ -263,12 +264,16 @@ int run(int argc, char** argv) {
                  "keys of their own\n";
     return 2;
   }
-  options.send_timeout = std::chrono::milliseconds(vm["send-timeout-ms"].as<unsigned>());
-  options.peer_timeout = std::chrono::milliseconds(vm["peer-timeout-ms"].as<unsigned>());
-  options.payload_timeout = std::chrono::milliseconds(vm["payload-timeout-ms"].as<unsigned>());
+  options.send_timeout =
+      std::chrono::milliseconds(vm["send-timeout-ms"].as<cmd::Milliseconds>().value);
+  options.peer_timeout =
+      std::chrono::milliseconds(vm["peer-timeout-ms"].as<cmd::Milliseconds>().value);
+  options.payload_timeout =
+      std::chrono::milliseconds(vm["payload-timeout-ms"].as<cmd::Milliseconds>().value);
   sigset_t signals = block_signals();
 
   std::shared_ptr<target::ExportCatalog> catalog;
+  std::vector<std::shared_ptr<backend::Volume>> standalone_volumes;
   std::unique_ptr<lvm::VolumeStore> store;
   std::unique_ptr<control::ControlPlane> plane;
   std::string control_socket;
@@ -281,7 +286,6 @@ int run(int argc, char** argv) {
     open_options.direct = !vm["buffered"].as<bool>();
     for (const std::string& text : vm["export"].as<std::vector<std::string>>()) {
       ExportSpec spec;
-      std::string error;
       if (!parse_export(text, spec, error)) {
         std::cerr << "shareblkd: " << error << "\n";
         return 2;
@@ -295,6 +299,7 @@ int run(int argc, char** argv) {
       spdlog::info("export '{}': {} ({} bytes, {}{})", spec.name, spec.path, volume->size(),
                    spec.read_only ? "read-only" : "read-write",
                    volume->is_direct() ? ", O_DIRECT" : ", page cache");
+      standalone_volumes.push_back(volume);
       exports->add(spec.name, target::Export{volume,
                                              spec.read_only ? backend::AttachMode::ReadOnly
                                                             : backend::AttachMode::ReadWrite,
@@ -329,15 +334,9 @@ int run(int argc, char** argv) {
       std::cerr << "shareblkd: " << store_error.message << "\n";
       return 1;
     }
-    control::Policy policy;
-    policy.allow_multiattach = vm["allow_multiattach"].as<bool>();
-    policy.allow_multiattach_bootable = vm["allow_multiattach_bootable"].as<bool>();
-    policy.nbd_allow_root = vm["nbd-allow-root"].as<bool>();
-    policy.tls = options.tls.mode;
-    policy.tls_x509 = !options.tls.x509_dir.empty();
     try {
-      plane =
-          std::make_unique<control::ControlPlane>((state / "shareblk.db").string(), *store, policy);
+      plane = std::make_unique<control::ControlPlane>((state / "shareblk.db").string(), *store,
+                                                      policy_from(vm, options.tls));
     } catch (const std::exception& e) {
       std::cerr << "shareblkd: " << e.what() << "\n";
       return 1;
@@ -356,10 +355,12 @@ int run(int argc, char** argv) {
   if (plane) {
     control::Endpoints endpoints;
     if (!options.listen_unix.empty()) endpoints.unix_socket = options.listen_unix.front();
-    if (!server.tcp_endpoints().empty()) endpoints.tcp = server.tcp_endpoints().front();
+    if (!server.tcp_endpoints().empty()) {
+      endpoints.tcp = advertised_tcp(server.tcp_endpoints().front(), vm);
+    }
     plane->bind(&server, endpoints);
     if (std::error_code ec = plane->listen(
-            control_socket, vm["max-control-connections"].as<unsigned>(), control_access)) {
+            control_socket, vm["max-control-connections"].as<cmd::Count>().value, control_access)) {
       std::cerr << "shareblkd: control socket " << control_socket << ": " << ec.message() << "\n";
       return 1;
     }
@@ -368,11 +369,29 @@ int run(int argc, char** argv) {
 
   int sig = 0;
   while (sigwait(&signals, &sig) == 0 && sig != SIGINT && sig != SIGTERM) {
-    spdlog::info("signal {} ({}): ignored; SIGTERM or SIGINT stops shareblkd", sig, strsignal(sig));
+    if (sig == SIGHUP) {
+      reload(argc, argv, plane.get(), server, options.tls);
+    } else {
+      spdlog::info("signal {} ({}): ignored; SIGTERM or SIGINT stops shareblkd, SIGHUP reloads",
+                   sig, strsignal(sig));
+    }
   }
+  // Stop taking calls and connections, let the requests in flight be answered, then make every
+  // acknowledged write durable; the database closes with the control plane.
   spdlog::info("signal {}: stopping", sig);
   if (plane) plane->stop();
   server.stop();
+  bool flushed = true;
+  if (plane) flushed = plane->flush_volumes();
+  for (const auto& volume : standalone_volumes) {
+    if (const int err = backend::Handle(volume, backend::AttachMode::ReadOnly).flush()) {
+      spdlog::error("{}: cannot flush at shutdown: {}", volume->path(), std::strerror(err));
+      flushed = false;
+    }
+  }
+  plane.reset();
+  spdlog::info("stopped{}", flushed ? "" : " (a volume could not be flushed: see above)");
+  return flushed ? 0 : 1;
   return 0;
 }
 

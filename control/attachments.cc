@@ -78,10 +78,10 @@ void Service::connect(Database::Transaction& tx, AttachmentRow& a, const VolumeR
   if (connector.transport == "unix" && endpoints_.unix_socket.empty()) {
     invalid("this daemon has no Unix socket listener");
   }
-  if (connector.tls && policy_.tls == target::TlsOptions::Mode::Off) {
+  if (connector.tls && policy().tls == target::TlsOptions::Mode::Off) {
     invalid("connector tls needs TLS on the daemon (shareblkd --tls on or require)");
   }
-  if (connector.tls_dn && !policy_.tls_x509) {
+  if (connector.tls_dn && !policy().tls_x509) {
     invalid("connector tls_dn needs x509 credentials on the daemon (shareblkd --tls-x509-dir)");
   }
   if (connector.transport == "fuse") refuse_taken_mountpoint(tx, a, connector.mountpoint);
@@ -118,10 +118,10 @@ Json Service::attachment_create(const AttachmentSpec& spec) {
       throw ApiError("not_multiattach", "volume " + v.id + " is attached (" + current.front().id +
                                             ") and is not multiattach");
     }
-    if (!policy_.allow_multiattach) {
+    if (!policy().allow_multiattach) {
       throw ApiError("policy_denied", "policy forbids multiattach");
     }
-    if (v.bootable && !policy_.allow_multiattach_bootable) {
+    if (v.bootable && !policy().allow_multiattach_bootable) {
       throw ApiError("policy_denied", "policy forbids attaching a bootable volume twice");
     }
   }

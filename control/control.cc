@@ -113,6 +113,14 @@ void ControlPlane::bind(target::Server* server, Endpoints endpoints) {
   impl_->service.bind(server, std::move(endpoints));
 }
 
+bool ControlPlane::flush_volumes() {
+  return impl_->service.flush_volumes();
+}
+
+std::string ControlPlane::set_policy(const Policy& policy) {
+  return impl_->service.set_policy(policy);
+}
+
 std::string ControlPlane::handle(const std::string& line, const Caller& caller) {
   return handle_line(line, impl_->service, caller);
 }

@@ -74,6 +74,10 @@ class ControlPlane {
   // Must be called before serving: detach closes connections through `server`.
   void bind(target::Server* server, Endpoints endpoints);
 
+  // A reload (SIGHUP): the policy's multiattach rules and nbd_allow_root take effect for the
+  // calls and handshakes that follow; TLS stays as started. Returns what changed ("" if nothing).
+  std::string set_policy(const Policy& policy);
+
   // One JSON-RPC request (or batch) in, the response line out ("" for notifications).
   std::string handle(const std::string& line, const Caller& caller);
 
@@ -84,6 +88,9 @@ class ControlPlane {
   std::error_code listen(const std::string& path, size_t max_clients,
                          target::SocketAccess access = {0600, std::nullopt});
   void stop();
+  // After stop() and the NBD server's: makes every write acknowledged to a client durable
+  // (fdatasync of each open volume). False, logged, when a volume could not be flushed.
+  bool flush_volumes();
 
   struct Impl;
 

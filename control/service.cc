@@ -79,6 +79,37 @@ Service::Service(const std::string& db_path, lvm::VolumeStore& store, Policy pol
   reconcile();
 }
 
+Policy Service::policy() const {
+  std::lock_guard lock(policy_mutex_);
+  return policy_;
+}
+
+std::string Service::set_policy(const Policy& policy) {
+  std::lock_guard lock(policy_mutex_);
+  std::string changed;
+  auto take = [&](bool Policy::*field, const char* name) {
+    if (policy_.*field == policy.*field) return;
+    policy_.*field = policy.*field;
+    changed +=
+        std::string(changed.empty() ? "" : ", ") + name + "=" + (policy.*field ? "true" : "false");
+  };
+  take(&Policy::allow_multiattach, "allow-multiattach");
+  take(&Policy::allow_multiattach_bootable, "allow-multiattach-bootable");
+  take(&Policy::nbd_allow_root, "nbd-allow-root");
+  return changed;
+}
+
+bool Service::flush_volumes() {
+  const auto failed = volumes_.flush_all();
+  for (const auto& [id, why] : failed) {
+    spdlog::error(
+        "volume {}: cannot flush at shutdown ({}): writes acknowledged before may not "
+        "be durable",
+        id, why);
+  }
+  return failed.empty();
+}
+
 void Service::bind(target::Server* server, Endpoints endpoints) {
   exports_.bind_server(server);
   endpoints_ = std::move(endpoints);
@@ -294,7 +325,7 @@ target::ExportCatalog::Lookup Service::resolve(const std::string& export_name,
     size = find_volume(tx, a.volume_id).size;
   }
   const Json connector = Json::parse(a.connector);
-  const Admission admission = admit(connector, a.id, peer, policy_);
+  const Admission admission = admit(connector, a.id, peer, policy());
   if (admission != Admission::Admitted) {
     refused_by_binding_.fetch_add(1, std::memory_order_relaxed);
     spdlog::info("nbd: refused {} the export of attachment {}: {}", describe(peer), a.id,
@@ -319,7 +350,7 @@ std::optional<std::string> Service::psk_key(const std::string& attachment_id) {
   Database::Transaction tx(db_);
   auto a = tx.attachment(attachment_id);
   if (!a || !is_serving(a->attach_status) || exports_.is_revoked(a->id) ||
-      !has_psk(Json::parse(a->connector), policy_)) {
+      !has_psk(Json::parse(a->connector), policy())) {
     spdlog::info("nbd: refused a TLS-PSK identity that is no live TLS attachment");
     refused_unknown_.fetch_add(1, std::memory_order_relaxed);
     return std::nullopt;

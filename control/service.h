@@ -11,6 +11,7 @@
 #include <atomic>
 #include <cstdint>
 #include <filesystem>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <vector>
@@ -86,6 +87,16 @@ class Service {
   // For the TLS handshake: the PSK key of the live TLS-only attachment with this id.
   std::optional<std::string> psk_key(const std::string& attachment_id);
 
+  // The policy in force: what shareblkd's options said at start or at the last reload.
+  Policy policy() const;
+  // A reload (SIGHUP): takes the new policy's multiattach rules and nbd_allow_root. TLS stays
+  // as the daemon started (its listeners were set up for it); returns what changed, for the log.
+  std::string set_policy(const Policy& policy);
+
+  // At shutdown, once no NBD client is left: flushes every open volume; false (logged) when one
+  // could not be.
+  bool flush_volumes();
+
   // Subscribers (nbdkit connections) at most, so that they cannot take every control
   // connection from the operators.
   void set_max_subscribers(size_t n) { exports_.set_max_subscribers(n); }
@@ -138,6 +149,8 @@ class Service {
   VolumeRegistry volumes_;
   ExportRegistry exports_;
   RevocationJournal journal_;  // STATE_DIR/revocations
+  // SIGHUP replaces it (set_policy); calls read a copy, under the mutex.
+  mutable std::mutex policy_mutex_;
   Policy policy_;
   PskKeys psk_;  // STATE_DIR/tls-psk.secret, when TLS is on
   Endpoints endpoints_;

@@ -32,8 +32,8 @@ Json Service::connection_info(const AttachmentRow& a, const VolumeRow& v) {
   }
   // A TLS-only attachment: nbds URIs, and its PSK (the identity as the URI's user, as libnbd
   // reads it), the way Cinder hands out CHAP credentials.
-  const bool tls = tls_only(connector, policy_);
-  const bool psk = has_psk(connector, policy_);
+  const bool tls = tls_only(connector, policy());
+  const bool psk = has_psk(connector, policy());
   const std::string user = psk ? a.id + "@" : "";
   std::string uri;
   if (transport == "unix") {

@@ -1,5 +1,7 @@
 #include "control/volume_registry.h"
 
+#include <cstring>
+
 #include <spdlog/spdlog.h>
 
 #include <set>
@@ -158,6 +160,20 @@ void VolumeRegistry::reconcile(
                    store_.kind(), id);
     }
   }
+}
+
+std::vector<std::pair<std::string, std::string>> VolumeRegistry::flush_all() {
+  std::map<std::string, std::shared_ptr<backend::Volume>> open;
+  {
+    std::lock_guard lock(open_mutex_);
+    open = open_;
+  }
+  std::vector<std::pair<std::string, std::string>> failed;
+  for (const auto& [id, volume] : open) {
+    const int err = backend::Handle(volume, backend::AttachMode::ReadOnly).flush();
+    if (err != 0) failed.emplace_back(id, std::strerror(err));
+  }
+  return failed;
 }
 
 }  // namespace shareblk::control

@@ -51,6 +51,10 @@ class VolumeRegistry {
   // The open volume, opened on first use; nullptr (logged) when the store cannot open it.
   std::shared_ptr<backend::Volume> open(const std::string& id, uint64_t size);
 
+  // Makes what every open volume acknowledged durable (at shutdown, once no client is left).
+  // Returns the ids of the volumes that could not be flushed, with why.
+  std::vector<std::pair<std::string, std::string>> flush_all();
+
   // Opens the backing afresh (a cached handle may be a file someone has since removed) and
   // returns why it is missing, or nullopt when it is there. A backing found missing stays so
   // for missing() until a check finds it again; an open handle of it is dropped, so that no new

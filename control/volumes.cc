@@ -11,7 +11,7 @@ namespace shareblk::control {
 // the row, so that a crash at any point leaves either a whole volume or an intent that the next
 // start rolls back (docs/state.md, "Creates and deletes").
 Json Service::volume_create(const VolumeSpec& spec) {
-  if (spec.multiattach && !policy_.allow_multiattach) {
+  if (spec.multiattach && !policy().allow_multiattach) {
     throw ApiError("policy_denied", "policy forbids multiattach volumes");
   }
   VolumeRow v{new_uuid(), spec.name, spec.size, spec.multiattach, spec.bootable, now_iso()};
@@ -148,7 +148,7 @@ Json Service::volume_update(const VolumeChange& change) {
     if (volume_status(tx.attachments(v.id)) != "available") {
       throw ApiError("volume_in_use", "multiattach can change only while the volume is available");
     }
-    if (*multiattach && !policy_.allow_multiattach) {
+    if (*multiattach && !policy().allow_multiattach) {
       throw ApiError("policy_denied", "policy forbids multiattach volumes");
     }
     v.multiattach = *multiattach;
@@ -166,7 +166,7 @@ Json Service::volume_update(const VolumeChange& change) {
   if (auto bootable = opt_bool(p, "bootable")) {
     // Making a volume that several attachments share bootable would make the shared bootable
     // volume that the policy forbids attaching.
-    if (*bootable && !v.bootable && !policy_.allow_multiattach_bootable) {
+    if (*bootable && !v.bootable && !policy().allow_multiattach_bootable) {
       size_t live_attachments = 0;
       for (const auto& a : tx.attachments(v.id)) live_attachments += is_live(a.attach_status);
       if (live_attachments > 1) {

@@ -283,7 +283,7 @@ struct Server::Impl final : ConnectionRegistry {
   // compares against it), dropped when the group is closed for good.
   std::unordered_map<std::string, uint64_t> last_serial;
   std::unordered_set<std::string> closed_groups;
-  std::unique_ptr<TlsContext> tls;            // null: NOTLS
+  std::shared_ptr<TlsContext> tls;            // null: NOTLS; reload_tls() replaces it
   std::unordered_set<TlsConnection*> relays;  // TLS connections in their transmission phase
 
   void accept_loop(Listener& listener);
@@ -361,7 +361,12 @@ void Server::Impl::handshake(int fd, bool tcp, const std::string& key) {
   const auto deadline = std::chrono::steady_clock::now() + options.handshake_timeout;
   SocketStream stream(fd, deadline);
   std::unique_ptr<TlsConnection> secure;
-  if (tls) secure = std::make_unique<TlsConnection>(*tls, fd, deadline);
+  std::shared_ptr<TlsContext> credentials;
+  {
+    std::lock_guard lock(mutex);
+    credentials = tls;
+  }
+  if (credentials) secure = std::make_unique<TlsConnection>(std::move(credentials), fd, deadline);
   const Peer peer = peer_of(fd, tcp);
   std::optional<Session> session = negotiate(stream, *catalog, peer, secure.get());
   if (session) {
@@ -548,6 +553,16 @@ void Server::stop() {
   std::unique_lock lock(s.mutex);
   for (TlsConnection* r : s.relays) r->cut_off();
   s.changed.wait(lock, [&] { return s.relays.empty(); });
+}
+
+std::error_code Server::reload_tls(std::string& error) {
+  Impl& s = *impl_;
+  if (s.options.tls.mode == TlsOptions::Mode::Off) return {};
+  std::shared_ptr<TlsContext> fresh = TlsContext::create(s.options.tls, s.catalog, error);
+  if (!fresh) return std::make_error_code(std::errc::invalid_argument);
+  std::lock_guard lock(s.mutex);
+  s.tls = std::move(fresh);
+  return {};
 }
 
 std::vector<std::string> Server::tcp_endpoints() const {

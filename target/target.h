@@ -166,6 +166,11 @@ class Server {
   std::error_code start(std::string& what);
   void stop();
 
+  // Loads the TLS credentials again (the files TlsOptions names), for the handshakes that
+  // follow; connections keep the ones they started with. On failure the old ones stay in
+  // force and `error` says which file was wrong. Nothing to do when TLS is off.
+  std::error_code reload_tls(std::string& error);
+
   // The TCP endpoints actually bound ("HOST:PORT"), useful with port 0.
   std::vector<std::string> tcp_endpoints() const;
 

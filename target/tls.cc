@@ -209,9 +209,13 @@ int TlsContext::psk_key(gnutls_session_t session, const gnutls_datum_t* identity
   return 0;
 }
 
-TlsConnection::TlsConnection(TlsContext& context, int fd,
+TlsConnection::TlsConnection(std::shared_ptr<TlsContext> context, int fd,
                              std::chrono::steady_clock::time_point deadline)
-    : context_(context), fd_(fd), deadline_(deadline), in_(new char[kInBufferSize]) {}
+    : owner_(std::move(context)),
+      context_(*owner_),
+      fd_(fd),
+      deadline_(deadline),
+      in_(new char[kInBufferSize]) {}
 
 TlsConnection::~TlsConnection() {
   stream_.reset();

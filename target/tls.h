@@ -55,7 +55,10 @@ class TlsContext {
 class TlsConnection final : public TlsUpgrade {
  public:
   // `deadline`: the handshake's; the TLS handshake must finish before it too.
-  TlsConnection(TlsContext& context, int fd, std::chrono::steady_clock::time_point deadline);
+  // The connection keeps `context` alive: a reload (Server::reload_tls) may replace the
+  // server's while this session still uses the old credentials.
+  TlsConnection(std::shared_ptr<TlsContext> context, int fd,
+                std::chrono::steady_clock::time_point deadline);
   ~TlsConnection();
   TlsConnection(const TlsConnection&) = delete;
   TlsConnection& operator=(const TlsConnection&) = delete;
@@ -87,7 +90,8 @@ class TlsConnection final : public TlsUpgrade {
   // Sends what push() gathered, waiting for room as push() does.
   bool send_gathered(const std::string& records);
 
-  TlsContext& context_;
+  std::shared_ptr<TlsContext> owner_;
+  TlsContext& context_;  // *owner_
   int fd_;
   // The handshake's deadline holds for every read and write until the relay starts; then
   // reads wait as long as the client stays (its socket's peer timeout ends a dead one), and a

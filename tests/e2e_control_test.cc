@@ -669,14 +669,14 @@ TEST_P(ControlE2eTest, PolicyOptionsAreEnforced) {
   const std::string boot =
       ok("volume_create",
          {{"name", "boot"}, {"size", kMiB}, {"multiattach", true}, {"bootable", true}})["id"];
-  start({"--allow_multiattach_bootable", "false"});
+  start({"--allow-multiattach-bootable", "false"});
   attach(boot, "first", "rw");
   EXPECT_EQ(reason("attachment_create", {{"volume_id", boot}, {"instance_uuid", "second"}}),
             "policy_denied");
   attach(shared, "first", "rw");
   attach(shared, "second", "ro");
 
-  start({"--allow_multiattach", "false"});
+  start({"--allow-multiattach", "false"});
   EXPECT_EQ(reason("volume_create", {{"name", "v"}, {"size", kMiB}, {"multiattach", true}}),
             "policy_denied");
   EXPECT_EQ(reason("attachment_create", {{"volume_id", shared}, {"instance_uuid", "third"}}),

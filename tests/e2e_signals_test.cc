@@ -1,5 +1,5 @@
-// Signals an operator may send by mistake change nothing; SIGTERM still stops cleanly
-// (README, "Signals").
+// Signals an operator may send by mistake change nothing, SIGHUP reloads (with the same options:
+// nothing changes either); SIGTERM still stops cleanly (docs/operations.md, "Signals").
 #include <gtest/gtest.h>
 #include <signal.h>
 
@@ -32,9 +32,11 @@ TEST(DaemonSignals, HupUsr1Usr2AndPipeAreLoggedAndChangeNothing) {
         << daemon.log();
   }
   const std::string log = daemon.log();
-  for (int sig : {SIGHUP, SIGUSR1, SIGUSR2}) {
+  for (int sig : {SIGUSR1, SIGUSR2}) {
     EXPECT_NE(log.find("signal " + std::to_string(sig) + " ("), std::string::npos) << log;
   }
+  EXPECT_NE(log.find("SIGHUP: reloaded: log level info, policy unchanged"), std::string::npos)
+      << log;
   EXPECT_EQ(daemon.stop(SIGTERM), 0) << daemon.log();
 }
 

@@ -544,6 +544,31 @@ TEST_F(TlsTest, X509ClientsAreVerifiedAndADnBindingAdmitsThatCertificateOnly) {
     EXPECT_NE(st::run({"nbdinfo", "--size", with_query(uri, libnbd_query + c3)}).status, 0);
     EXPECT_NE(daemon_->log().find("TLS handshake failed"), std::string::npos) << daemon_->log();
   }
+  // SIGHUP reads the credentials again: the operator moves client verification to another CA
+  // (here the rogue one), and the handshakes that follow obey it; a broken file changes nothing.
+  const std::string tcp_uri = data_of(on_tcp)["uri"];
+  auto nbdinfo = [&](const std::string& dir) {
+    return st::run({"nbdinfo", "--size", with_query(tcp_uri, "tls-certificates=" + dir)});
+  };
+  auto reload = [&](const std::string& expected) {
+    const size_t seen = daemon_->log().size();
+    ASSERT_EQ(::kill(daemon_->pid(), SIGHUP), 0);
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+    while (daemon_->log().find("SIGHUP: reloaded", seen) == std::string::npos &&
+           std::chrono::steady_clock::now() < deadline) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    EXPECT_NE(daemon_->log().find(expected, seen), std::string::npos) << daemon_->log();
+  };
+  std::filesystem::copy(pki + "/rogue-cert.pem", server_dir + "/ca-cert.pem",
+                        std::filesystem::copy_options::overwrite_existing);
+  reload("TLS credentials reloaded");
+  EXPECT_EQ(nbdinfo(c3).status, 0) << "the rogue CA is now the one the daemon trusts";
+  EXPECT_NE(nbdinfo(c1).status, 0);
+  write_text(server_dir + "/server-key.pem", "not a key\n");
+  reload("TLS credentials not reloaded, the old ones stay");
+  EXPECT_EQ(nbdinfo(c3).status, 0) << daemon_->log();
+
   // A connector may bind a DN only where the daemon has x509 credentials, and TLS only with TLS on.
   start({});
   EXPECT_EQ(st::rpc_reason(control(), "attachment_create",
