@@ -8,17 +8,15 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
+#include "cmd/cli_commands.h"
 #include "rpc/client.h"
 #include "text/printable.h"
 
 namespace po = boost::program_options;
+namespace cli = shareblk::cli;
 using Json = nlohmann::json;
 
 namespace {
-
-struct UsageError : std::runtime_error {
-  using std::runtime_error::runtime_error;
-};
 
 // JSON for people and scripts alike, in ASCII: control characters and everything past ASCII
 // as \u escapes, so that no string a caller stored can reach the terminal as itself.
@@ -109,195 +107,64 @@ void print_object(const Json& object) {
   }
 }
 
-// Parses a subcommand's own arguments: `positional` names fill in order, then options.
-po::variables_map parse(const std::vector<std::string>& args, po::options_description options,
-                        const std::vector<std::string>& positional) {
-  po::positional_options_description pos;
-  for (const auto& name : positional) {
-    options.add_options()(name.c_str(), po::value<std::string>()->required(), "");
-    pos.add(name.c_str(), 1);
-  }
-  po::variables_map vm;
-  po::store(po::command_line_parser(args).options(options).positional(pos).run(), vm);
-  po::notify(vm);
-  return vm;
-}
-
-std::string get(const po::variables_map& vm, const char* name) {
-  return vm[name].as<std::string>();
-}
-
-Json size_value(const std::string& s) {
-  if (!s.empty() && s.find_first_not_of("0123456789") == std::string::npos) {
-    return Json(std::stoull(s));
-  }
-  return Json(s);
-}
-
-Json connector_from(const po::variables_map& vm) {
-  if (!vm.count("connector-host")) return nullptr;
-  Json c{{"host", get(vm, "connector-host")}, {"transport", get(vm, "transport")}};
-  if (vm.count("ip")) c["ip"] = get(vm, "ip");
-  return c;
-}
-
-po::options_description connector_options() {
-  po::options_description d("connector");
-  // clang-format off
-  d.add_options()
-    ("connector-host", po::value<std::string>(), "the host that connects (makes a connector)")
-    ("transport", po::value<std::string>()->default_value("unix"), "unix or tcp")
-    ("ip", po::value<std::string>(), "accept TCP connections only from this address");
-  // clang-format on
-  return d;
-}
-
-struct Command {
-  const char* name;
-  const char* summary;
-  // Builds the method's params from the subcommand's arguments.
-  Json (*params)(const std::vector<std::string>& args);
-  enum class View { Volume, Volumes, Attachment, Attachments, Raw } view;
-};
-
-const Command kCommands[] = {
-    {"volume_create", "NAME SIZE [--multiattach] [--bootable] [--writer-policy multi|single]",
-     [](const std::vector<std::string>& args) {
-       po::options_description d;
-       d.add_options()("multiattach", po::bool_switch())("bootable", po::bool_switch())(
-           "writer-policy", po::value<std::string>());
-       auto vm = parse(args, d, {"name", "size"});
-       Json p{{"name", get(vm, "name")},
-              {"size", size_value(get(vm, "size"))},
-              {"multiattach", vm["multiattach"].as<bool>()},
-              {"bootable", vm["bootable"].as<bool>()}};
-       if (vm.count("writer-policy")) p["writer_policy"] = get(vm, "writer-policy");
-       return p;
-     },
-     Command::View::Volume},
-    {"volume_list", "",
-     [](const std::vector<std::string>& args) {
-       parse(args, {}, {});
-       return Json::object();
-     },
-     Command::View::Volumes},
-    {"volume_show", "VOLUME_ID",
-     [](const std::vector<std::string>& args) {
-       return Json{{"volume_id", get(parse(args, {}, {"volume_id"}), "volume_id")}};
-     },
-     Command::View::Volume},
-    {"volume_delete", "VOLUME_ID",
-     [](const std::vector<std::string>& args) {
-       return Json{{"volume_id", get(parse(args, {}, {"volume_id"}), "volume_id")}};
-     },
-     Command::View::Raw},
-    {"volume_extend", "VOLUME_ID SIZE",
-     [](const std::vector<std::string>& args) {
-       auto vm = parse(args, {}, {"volume_id", "size"});
-       return Json{{"volume_id", get(vm, "volume_id")}, {"size", size_value(get(vm, "size"))}};
-     },
-     Command::View::Volume},
-    {"volume_update",
-     "VOLUME_ID [--name N] [--multiattach true|false] [--bootable true|false] [--writer-policy "
-     "multi|single]",
-     [](const std::vector<std::string>& args) {
-       po::options_description d;
-       d.add_options()("name", po::value<std::string>())("multiattach", po::value<bool>())(
-           "bootable", po::value<bool>())("writer-policy", po::value<std::string>());
-       auto vm = parse(args, d, {"volume_id"});
-       Json p{{"volume_id", get(vm, "volume_id")}};
-       if (vm.count("writer-policy")) p["writer_policy"] = get(vm, "writer-policy");
-       if (vm.count("name")) p["name"] = get(vm, "name");
-       if (vm.count("multiattach")) p["multiattach"] = vm["multiattach"].as<bool>();
-       if (vm.count("bootable")) p["bootable"] = vm["bootable"].as<bool>();
-       return p;
-     },
-     Command::View::Volume},
-    {"attachment_create",
-     "VOLUME_ID INSTANCE_UUID [--host H] [--mode rw|ro] [--connector-host H [--transport "
-     "unix|tcp] [--ip IP]]",
-     [](const std::vector<std::string>& args) {
-       po::options_description d = connector_options();
-       d.add_options()("host", po::value<std::string>())(
-           "mode", po::value<std::string>()->default_value("rw"));
-       auto vm = parse(args, d, {"volume_id", "instance_uuid"});
-       Json p{{"volume_id", get(vm, "volume_id")},
-              {"instance_uuid", get(vm, "instance_uuid")},
-              {"mode", get(vm, "mode")}};
-       if (vm.count("host")) p["attached_host"] = get(vm, "host");
-       Json c = connector_from(vm);
-       if (!c.is_null()) p["connector"] = c;
-       return p;
-     },
-     Command::View::Attachment},
-    {"attachment_update",
-     "ATTACHMENT_ID (--connector-host H [--transport unix|tcp] [--ip IP] | --mode rw|ro)",
-     [](const std::vector<std::string>& args) {
-       po::options_description d = connector_options();
-       d.add_options()("mode", po::value<std::string>());
-       auto vm = parse(args, d, {"attachment_id"});
-       Json c = connector_from(vm);
-       if (vm.count("mode") && c.is_null()) {
-         return Json{{"attachment_id", get(vm, "attachment_id")}, {"mode", get(vm, "mode")}};
-       }
-       if (c.is_null() || vm.count("mode")) {
-         throw UsageError("attachment_update needs --connector-host or --mode, not both");
-       }
-       return Json{{"attachment_id", get(vm, "attachment_id")}, {"connector", c}};
-     },
-     Command::View::Attachment},
-    {"attachment_complete", "ATTACHMENT_ID",
-     [](const std::vector<std::string>& args) {
-       return Json{{"attachment_id", get(parse(args, {}, {"attachment_id"}), "attachment_id")}};
-     },
-     Command::View::Attachment},
-    {"attachment_delete", "ATTACHMENT_ID",
-     [](const std::vector<std::string>& args) {
-       return Json{{"attachment_id", get(parse(args, {}, {"attachment_id"}), "attachment_id")}};
-     },
-     Command::View::Attachment},
-    {"attachment_list", "[--volume-id V]",
-     [](const std::vector<std::string>& args) {
-       po::options_description d;
-       d.add_options()("volume-id", po::value<std::string>());
-       auto vm = parse(args, d, {});
-       Json p = Json::object();
-       if (vm.count("volume-id")) p["volume_id"] = get(vm, "volume-id");
-       return p;
-     },
-     Command::View::Attachments},
-    {"attachment_show", "ATTACHMENT_ID",
-     [](const std::vector<std::string>& args) {
-       return Json{{"attachment_id", get(parse(args, {}, {"attachment_id"}), "attachment_id")}};
-     },
-     Command::View::Attachment},
-    {"volume_takeover", "VOLUME_ID ATTACHMENT_ID",
-     [](const std::vector<std::string>& args) {
-       auto vm = parse(args, {}, {"volume_id", "attachment_id"});
-       return Json{{"volume_id", get(vm, "volume_id")},
-                   {"attachment_id", get(vm, "attachment_id")}};
-     },
-     Command::View::Raw},
-    {"volume_detach", "VOLUME_ID [--attachment-id A]",
-     [](const std::vector<std::string>& args) {
-       po::options_description d;
-       d.add_options()("attachment-id", po::value<std::string>());
-       auto vm = parse(args, d, {"volume_id"});
-       Json p{{"volume_id", get(vm, "volume_id")}};
-       if (vm.count("attachment-id")) p["attachment_id"] = get(vm, "attachment-id");
-       return p;
-     },
-     Command::View::Attachment},
-};
-
 void usage(std::ostream& out, const po::options_description& global) {
   out << "usage: shareblk [--socket PATH] [--json] COMMAND [ARGS]\n\ncommands:\n";
-  for (const Command& c : kCommands) {
-    std::string name = c.name;
-    std::replace(name.begin(), name.end(), '_', '-');
-    out << "  " << name << " " << c.summary << "\n";
+  for (const cli::Command& c : cli::commands()) out << "  " << c.name << " " << c.usage << "\n";
+  out << "  call METHOD [JSON_PARAMS]   any method, params as a JSON object\n"
+      << "  help [COMMAND]              this, or one command's help with examples\n\n"
+      << "VOLUME and ATTACHMENT take an id, a unique prefix of one, or (a volume) its name.\n\n"
+      << global;
+}
+
+void command_help(std::ostream& out, const cli::Command& c) {
+  out << "usage: shareblk [--socket PATH] [--json] " << c.name << " " << c.usage << "\n\n"
+      << c.help << "\n\ncalls the API method " << c.method << " (docs/api.md)\n";
+}
+
+// What the daemon's list calls return, to find an id by a prefix or a name.
+struct Found {
+  std::string id;
+  std::string label;  // shown when several match
+};
+
+// `given` as an id: itself when it is one; else the one id it is a prefix of, or (volumes) the
+// one volume of that name. Several: a UsageError listing them. None: `given`, for the daemon to
+// say not_found.
+std::string resolve(const std::vector<Found>& all, const std::string& given, const char* kind) {
+  std::vector<const Found*> matches;
+  if (given.empty()) return given;
+  for (const Found& f : all) {
+    if (f.id == given) return given;
+    if (f.id.starts_with(given) || f.label == given) matches.push_back(&f);
   }
-  out << "  call METHOD [JSON_PARAMS]   any method, params as a JSON object\n\n" << global;
+  if (matches.empty()) return given;
+  if (matches.size() == 1) return matches.front()->id;
+  std::string message = "'" + escaped(given) + "' matches " + std::to_string(matches.size()) + " " +
+                        kind + "s; give more of the id:";
+  for (const Found* f : matches) message += "\n  " + f->id + "  " + escaped(f->label);
+  throw cli::UsageError(message);
+}
+
+std::vector<Found> listed(shareblk::rpc::Client& client, const char* method, const char* label) {
+  const shareblk::rpc::Outcome outcome = client.call(method, Json::object());
+  std::vector<Found> found;
+  if (!outcome.ok() || !outcome.result.is_array()) return found;  // the call itself will say
+  for (const Json& item : outcome.result) {
+    found.push_back({item.value("id", ""), item.value(label, "")});
+  }
+  return found;
+}
+
+// Replaces the volume and attachment references in `params` by the ids they name.
+void resolve_references(shareblk::rpc::Client& client, Json& params) {
+  if (params.contains("volume_id") && params["volume_id"].is_string()) {
+    params["volume_id"] = resolve(listed(client, "volume_list", "name"),
+                                  params["volume_id"].get<std::string>(), "volume");
+  }
+  if (params.contains("attachment_id") && params["attachment_id"].is_string()) {
+    params["attachment_id"] = resolve(listed(client, "attachment_list", "instance_uuid"),
+                                      params["attachment_id"].get<std::string>(), "attachment");
+  }
 }
 
 int run(int argc, char** argv) {
@@ -308,20 +175,18 @@ int run(int argc, char** argv) {
     ("help,h", "show this help")
     ("socket", po::value<std::string>()->default_value(env_socket ? env_socket : "./var/shareblk.sock"),
      "control socket (also $SHAREBLK_SOCKET)")
-    ("json", po::bool_switch(), "print the result as JSON")
-    ("command", po::value<std::string>(), "")
-    ("args", po::value<std::vector<std::string>>(), "");
+    ("json", po::bool_switch(), "print the result as JSON");
   // clang-format on
+  po::options_description all;  // what is parsed: the options shown, and the positionals
+  all.add(global).add_options()("command", po::value<std::string>(), "")(
+      "args", po::value<std::vector<std::string>>(), "");
   po::positional_options_description pos;
   pos.add("command", 1).add("args", -1);
   po::variables_map vm;
   std::vector<std::string> rest;
   try {
-    auto parsed = po::command_line_parser(argc, argv)
-                      .options(global)
-                      .positional(pos)
-                      .allow_unregistered()
-                      .run();
+    auto parsed =
+        po::command_line_parser(argc, argv).options(all).positional(pos).allow_unregistered().run();
     po::store(parsed, vm);
     po::notify(vm);
     rest = po::collect_unrecognized(parsed.options, po::include_positional);
@@ -329,35 +194,70 @@ int run(int argc, char** argv) {
     std::cerr << "shareblk: " << e.what() << "\n";
     return 2;
   }
-  if (vm.count("help") || !vm.count("command")) {
-    usage(vm.count("help") ? std::cout : std::cerr, global);
-    return vm.count("help") ? 0 : 2;
-  }
-  std::string command = vm["command"].as<std::string>();
-  std::replace(command.begin(), command.end(), '-', '_');
+  std::string command = vm.count("command") ? vm["command"].as<std::string>() : "";
   // collect_unrecognized with include_positional returns the command too: drop it.
-  if (!rest.empty() && rest.front() == vm["command"].as<std::string>()) rest.erase(rest.begin());
+  if (!rest.empty() && rest.front() == command) rest.erase(rest.begin());
+  if (command.find('_') != std::string::npos) {
+    std::string kebab = command;
+    std::replace(kebab.begin(), kebab.end(), '_', '-');
+    if (cli::find_command(kebab) != nullptr) {
+      std::cerr << "shareblk: '" << escaped(command) << "' is now '" << kebab
+                << "'; the old spelling goes in a later release\n";
+      command = kebab;
+    }
+  }
+  if (command == "help" || command.empty() || (vm.count("help") && command == "call")) {
+    if (command == "help" && !rest.empty()) {
+      const cli::Command* c = cli::find_command(rest.front());
+      if (c == nullptr) {
+        std::cerr << "shareblk: no command '" << escaped(rest.front()) << "'\n";
+        return 2;
+      }
+      command_help(std::cout, *c);
+      return 0;
+    }
+    const bool asked = command == "help" || vm.count("help");
+    usage(asked ? std::cout : std::cerr, global);
+    return asked ? 0 : 2;
+  }
+  const cli::Command* found = command == "call" ? nullptr : cli::find_command(command);
+  if (command != "call" && found == nullptr) {
+    std::cerr << "shareblk: unknown command '" << escaped(command)
+              << "' (shareblk help lists them)\n";
+    return 2;
+  }
+  if (found != nullptr && vm.count("help")) {
+    command_help(std::cout, *found);
+    return 0;
+  }
 
   std::string method;
   Json params;
-  Command::View view = Command::View::Raw;
+  cli::View view = cli::View::Raw;
   try {
-    if (command == "call") {
-      if (rest.empty() || rest.size() > 2) throw UsageError("call METHOD [JSON_PARAMS]");
+    if (found == nullptr) {
+      if (rest.empty() || rest.size() > 2) throw cli::UsageError("call METHOD [JSON_PARAMS]");
       method = rest[0];
       params = rest.size() == 2 ? Json::parse(rest[1]) : Json::object();
     } else {
-      const Command* found = nullptr;
-      for (const Command& c : kCommands) {
-        if (command == c.name) found = &c;
-      }
-      if (!found) throw UsageError("unknown command '" + vm["command"].as<std::string>() + "'");
-      method = found->name;
+      method = found->method;
       params = found->params(rest);
       view = found->view;
     }
+  } catch (const po::required_option& e) {
+    // "--volume_id" is the positional VOLUME of the usage line.
+    std::string name = e.get_option_name();
+    name.erase(0, name.find_first_not_of('-'));
+    if (name.ends_with("_id")) name.resize(name.size() - 3);
+    std::transform(name.begin(), name.end(), name.begin(),
+                   [](unsigned char c) { return std::toupper(c); });
+    std::cerr << "shareblk: " << command << ": missing " << name << "\n";
+    std::cerr << "usage: shareblk " << found->name << " " << found->usage << "\n";
+    return 2;
   } catch (const std::exception& e) {
     std::cerr << "shareblk: " << e.what() << "\n";
+    if (found != nullptr)
+      std::cerr << "usage: shareblk " << found->name << " " << found->usage << "\n";
     return 2;
   }
 
@@ -367,6 +267,14 @@ int run(int argc, char** argv) {
     std::cerr << "shareblk: cannot reach shareblkd at " << socket_path << ": " << ec.message()
               << "\n";
     return 3;
+  }
+  if (found != nullptr) {  // `call` passes its params as they are
+    try {
+      resolve_references(client, params);
+    } catch (const cli::UsageError& e) {
+      std::cerr << "shareblk: " << e.what() << "\n";
+      return 2;
+    }
   }
   const shareblk::rpc::Outcome outcome = client.call(method, params);
   if (outcome.error && outcome.error->link) {
@@ -391,17 +299,17 @@ int run(int argc, char** argv) {
     return 0;
   }
   switch (view) {
-    case Command::View::Volumes:
+    case cli::View::Volumes:
       print_volumes(result);
       break;
-    case Command::View::Attachments:
+    case cli::View::Attachments:
       print_attachments(result);
       break;
-    case Command::View::Volume:
-    case Command::View::Attachment:
+    case cli::View::Volume:
+    case cli::View::Attachment:
       print_object(result);
       break;
-    case Command::View::Raw:
+    case cli::View::Raw:
       std::cout << ascii_json(result, 2) << "\n";
       break;
   }

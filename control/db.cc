@@ -292,6 +292,28 @@ Database::~Database() {
   sqlite3_close(db_);
 }
 
+void Database::backup_into(const std::string& path) {
+  std::lock_guard lock(mutex_);
+  sqlite3* copy = nullptr;
+  int rc = sqlite3_open_v2(path.c_str(), &copy, SQLITE_OPEN_READWRITE, nullptr);
+  if (rc == SQLITE_OK) {
+    sqlite3_backup* backup = sqlite3_backup_init(copy, "main", db_, "main");
+    if (backup == nullptr) {
+      rc = sqlite3_errcode(copy);
+    } else {
+      rc = sqlite3_backup_step(backup, -1);  // every page at once
+      const int finished = sqlite3_backup_finish(backup);
+      rc = rc == SQLITE_DONE ? finished : rc;
+    }
+  }
+  // The copy carries the source's WAL flag; a backup is one self-contained file instead.
+  if (rc == SQLITE_OK)
+    rc = sqlite3_exec(copy, "PRAGMA journal_mode=DELETE", nullptr, nullptr, nullptr);
+  const std::string message = copy != nullptr ? sqlite3_errmsg(copy) : "out of memory";
+  sqlite3_close(copy);
+  if (rc != SQLITE_OK) throw DbError("backup to " + path + ": " + message, rc & 0xff);
+}
+
 void Database::exec(const char* sql) {
   char* message = nullptr;
   if (int rc = sqlite3_exec(db_, sql, nullptr, nullptr, &message); rc != SQLITE_OK) {

@@ -92,6 +92,11 @@ class Database {
   Database(const Database&) = delete;
   Database& operator=(const Database&) = delete;
 
+  // Copies the whole database, as one consistent snapshot, into the empty file at `path` (SQLite's
+  // online backup, under the database mutex: no change lands halfway). The copy is a plain
+  // rollback-journal database, synced. Throws DbError (disk_full() when the file system is).
+  void backup_into(const std::string& path);
+
   // All access goes through a Transaction, which holds the database mutex.
   class Transaction {
    public:

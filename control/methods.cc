@@ -88,6 +88,10 @@ Json attachment_show(Service& s, const Json& p, const Caller&) {
   return s.attachment_show(need_string(p, "attachment_id"));
 }
 
+Json state_backup(Service& s, const Json& p, const Caller&) {
+  return s.state_backup(need_string(p, "path", kMaxPath));
+}
+
 Json export_resolve(Service& s, const Json& p, const Caller& caller) {
   return s.export_resolve(need_string(p, "export_name"), caller);
 }
@@ -106,6 +110,7 @@ constexpr std::string_view kAttachmentUpdate[] = {"attachment_id", "connector", 
 constexpr std::string_view kVolumeTakeover[] = {"volume_id", "attachment_id"};
 constexpr std::string_view kAttachmentId[] = {"attachment_id"};
 constexpr std::string_view kExportResolve[] = {"export_name"};
+constexpr std::string_view kStateBackup[] = {"path"};
 
 constexpr std::array kMethods = {
     Method{"volume_create", kVolumeCreate, volume_create},
@@ -123,6 +128,7 @@ constexpr std::array kMethods = {
     Method{"attachment_list", kVolumeId, attachment_list},
     Method{"attachment_show", kAttachmentId, attachment_show},
     Method{"export_resolve", kExportResolve, export_resolve},
+    Method{"state_backup", kStateBackup, state_backup},
 };
 
 }  // namespace

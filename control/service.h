@@ -79,6 +79,10 @@ class Service {
   // Moves a single-writer volume's write access to the attachment (writers.cc).
   Json volume_takeover(const std::string& volume_id, const std::string& attachment_id);
 
+  // A consistent copy of the state database at `path` (absolute; must not exist), written
+  // aside and renamed into place (backup.cc).
+  Json state_backup(const std::string& path);
+
   // For another process that serves the attachment (nbdkit): where its bytes are, in which
   // mode; subscribes the caller to its revocation.
   Json export_resolve(const std::string& export_name, const Caller& caller);

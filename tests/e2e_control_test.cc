@@ -21,6 +21,7 @@
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <optional>
+#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -872,6 +873,70 @@ TEST_F(ControlCliTest, CommandsTablesAndJson) {
   EXPECT_EQ(nbd_pread(h.get(), buf.data(), buf.size(), 0, 0), -1);
   EXPECT_EQ(cli({"volume-update", vol, "--multiattach", "false", "--name", "renamed"}).status, 0);
   EXPECT_EQ(ok("volume_show", {{"volume_id", vol}})["name"], "renamed");
+}
+
+// Volumes by name or id prefix, attachments by id prefix: what an operator types. Two matches
+// are a usage error that lists them, and no call is made.
+TEST_F(ControlCliTest, VolumesAndAttachmentsAreFoundByNameOrUniqueIdPrefix) {
+  const std::string alpha = create_volume("alpha", kMiB, true)["id"];
+  create_volume("twin", kMiB, false);
+  create_volume("twin", kMiB, false);
+  st::RunResult by_name = cli({"--json", "volume-show", "alpha"});
+  ASSERT_EQ(by_name.status, 0) << by_name.output;
+  EXPECT_EQ(Json::parse(by_name.output)["id"], alpha);
+  st::RunResult by_prefix = cli({"--json", "volume-show", alpha.substr(0, 13)});
+  ASSERT_EQ(by_prefix.status, 0) << by_prefix.output;
+  EXPECT_EQ(Json::parse(by_prefix.output)["id"], alpha);
+
+  st::RunResult twins = cli({"volume-delete", "twin"});
+  EXPECT_EQ(twins.status, 2) << twins.output;
+  EXPECT_NE(twins.output.find("'twin' matches 2 volumes"), std::string::npos) << twins.output;
+  EXPECT_EQ(ok("volume_list", Json::object()).size(), 3u) << "nothing was deleted";
+
+  st::RunResult attached = cli({"--json", "attachment-create", "alpha", "vm-1"});
+  ASSERT_EQ(attached.status, 0) << attached.output;
+  const std::string a = Json::parse(attached.output)["id"];
+  EXPECT_EQ(Json::parse(attached.output)["volume_id"], alpha);
+  st::RunResult shown = cli({"--json", "attachment-show", a.substr(0, 8)});
+  ASSERT_EQ(shown.status, 0) << shown.output;
+  EXPECT_EQ(Json::parse(shown.output)["id"], a);
+  st::RunResult gone = cli({"volume-show", "no-such-volume"});
+  EXPECT_EQ(gone.status, 1) << gone.output;
+  EXPECT_NE(gone.output.find("not_found"), std::string::npos) << gone.output;
+}
+
+// `shareblk help` lists every command; each has --help with a usage line and an example, and a
+// missing argument names it.
+TEST_F(ControlCliTest, EveryCommandHasHelpWithAnExample) {
+  st::RunResult help = cli({"help"});
+  ASSERT_EQ(help.status, 0) << help.output;
+  std::vector<std::string> commands;
+  std::istringstream lines(help.output);
+  std::string line;
+  while (std::getline(lines, line) && line != "commands:") {
+  }
+  while (std::getline(lines, line) && !line.empty()) {
+    if (line.starts_with("  ")) {
+      const std::string name = line.substr(2, line.find(' ', 2) - 2);
+      if (name != "call" && name != "help") commands.push_back(name);
+    }
+  }
+  EXPECT_GE(commands.size(), 15u) << help.output;
+  for (const std::string& c : commands) {
+    st::RunResult r = cli({c, "--help"});
+    EXPECT_EQ(r.status, 0) << c << ": " << r.output;
+    EXPECT_NE(r.output.find("usage: shareblk [--socket PATH] [--json] " + c), std::string::npos)
+        << r.output;
+    EXPECT_NE(r.output.find("  shareblk " + c), std::string::npos) << "no example: " << r.output;
+    EXPECT_EQ(cli({"help", c}).output, r.output);
+  }
+  st::RunResult missing = cli({"volume-show"});
+  EXPECT_EQ(missing.status, 2);
+  EXPECT_NE(missing.output.find("volume-show: missing VOLUME"), std::string::npos)
+      << missing.output;
+  st::RunResult old = cli({"volume_list"});
+  EXPECT_EQ(old.status, 0) << old.output;
+  EXPECT_NE(old.output.find("'volume_list' is now 'volume-list'"), std::string::npos);
 }
 
 TEST_F(ControlCliTest, ExitStatusTellsWhatWentWrong) {
