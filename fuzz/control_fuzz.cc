@@ -11,7 +11,8 @@
 //     e(xtend), r(emove), o(pen), f (refresh) or l(ist); ERR is n (ENOSPC, the default), i
 //     (EIO), x (EEXIST) or o (ENOENT).
 // Lines that name the "fuse" transport are skipped: a FUSE attachment mounts where its
-// connector says, and a fuzzer must not mount over the machine's directories.
+// connector says, and a fuzzer must not mount over the machine's directories. So are lines
+// that name "state_backup", which writes a file wherever its path says.
 //
 // Every reply must be JSON-RPC 2.0: one response per request that is not a notification, each
 // with a usable id, a result or an error with a documented code and reason, and "internal" or
@@ -184,8 +185,9 @@ void inject(std::string_view line, Made& made) {
   made.store_failed = true;
 }
 
-// Whether a line holds the string "fuse" anywhere (a value: a connector's transport).
-class FuseFinder final : public nlohmann::json_sax<Json> {
+// Whether a line holds the string "fuse" (a connector's transport) or "state_backup" (a
+// method) anywhere as a value.
+class UnsafeFinder final : public nlohmann::json_sax<Json> {
  public:
   bool found = false;
   bool null() override { return true; }
@@ -194,7 +196,7 @@ class FuseFinder final : public nlohmann::json_sax<Json> {
   bool number_unsigned(number_unsigned_t) override { return true; }
   bool number_float(number_float_t, const string_t&) override { return true; }
   bool string(string_t& v) override {
-    found = found || v == "fuse";
+    found = found || v == "fuse" || v == "state_backup";
     return !found;
   }
   bool binary(binary_t&) override { return true; }
@@ -208,12 +210,13 @@ class FuseFinder final : public nlohmann::json_sax<Json> {
   }
 };
 
-bool names_fuse(const std::string& line) {
-  // Without these, no JSON string in the line can be "fuse": most lines need no second parse.
-  if (line.find("fuse") == std::string::npos && line.find("\\u") == std::string::npos) {
+bool names_unsafe(const std::string& line) {
+  // Without these, no JSON string in the line can be either: most lines need no second parse.
+  if (line.find("fuse") == std::string::npos && line.find("state_backup") == std::string::npos &&
+      line.find("\\u") == std::string::npos) {
     return false;
   }
-  FuseFinder finder;
+  UnsafeFinder finder;
   Json::sax_parse(line, &finder);
   return finder.found;
 }
@@ -349,7 +352,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       continue;
     }
     substitute(line, made);
-    if (names_fuse(line)) continue;
+    if (names_unsafe(line)) continue;
     const std::string reply = shareblk::control::handle_line(line, *env.service, env.caller);
     if (env.trace) std::fprintf(stderr, "> %s\n< %s\n", line.c_str(), reply.c_str());
     check_reply(line, reply, made);
