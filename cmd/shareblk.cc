@@ -306,6 +306,7 @@ int run(int argc, char** argv) {
   // clang-format off
   global.add_options()
     ("help,h", "show this help")
+    ("version", "print the version and exit")
     ("socket", po::value<std::string>()->default_value(env_socket ? env_socket : "./var/shareblk.sock"),
      "control socket (also $SHAREBLK_SOCKET)")
     ("json", po::bool_switch(), "print the result as JSON")
@@ -328,6 +329,10 @@ int run(int argc, char** argv) {
   } catch (const std::exception& e) {
     std::cerr << "shareblk: " << e.what() << "\n";
     return 2;
+  }
+  if (vm.count("version")) {
+    std::cout << "shareblk " SHAREBLK_VERSION "\n";
+    return 0;
   }
   if (vm.count("help") || !vm.count("command")) {
     usage(vm.count("help") ? std::cout : std::cerr, global);

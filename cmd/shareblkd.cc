@@ -20,6 +20,7 @@
 #include <iostream>
 
 #include "backend/backend.h"
+#include "cmd/systemd.h"
 #include "control/control.h"
 #include "lvm/volume_store.h"
 #include "target/target.h"
@@ -139,6 +140,7 @@ int run(int argc, char** argv) {
   // clang-format off
   desc.add_options()
     ("help,h", "show this help")
+    ("version", "print the version and exit")
     ("config", po::value<std::string>(), "read options from FILE (one `name = value` per line)")
     ("state-dir", po::value<std::string>()->default_value("./var"),
      "managed mode: database, control socket and file-store volumes live here")
@@ -215,6 +217,10 @@ int run(int argc, char** argv) {
     std::cout << desc;
     return 0;
   }
+  if (vm.count("version")) {
+    std::cout << "shareblkd " SHAREBLK_VERSION "\n";
+    return 0;
+  }
   spdlog::set_level(spdlog::level::from_str(vm["log-level"].as<std::string>()));
 
   target::ServerOptions options;
@@ -267,15 +273,28 @@ int run(int argc, char** argv) {
   options.peer_timeout = std::chrono::milliseconds(vm["peer-timeout-ms"].as<unsigned>());
   options.payload_timeout = std::chrono::milliseconds(vm["payload-timeout-ms"].as<unsigned>());
   sigset_t signals = block_signals();
+  // Socket activation: sockets a .socket unit passed replace the default listeners.
+  cmd::PassedSockets passed;
+  std::string passed_error;
+  if (!cmd::take_passed_sockets(passed, passed_error)) {
+    std::cerr << "shareblkd: " << passed_error << "\n";
+    return 1;
+  }
+  options.listen_fds = passed.nbd;
+  const bool no_listener =
+      options.listen_unix.empty() && options.listen_tcp.empty() && options.listen_fds.empty();
 
   std::shared_ptr<target::ExportCatalog> catalog;
   std::unique_ptr<lvm::VolumeStore> store;
   std::unique_ptr<control::ControlPlane> plane;
   std::string control_socket;
   if (vm.count("export")) {
-    if (options.listen_unix.empty() && options.listen_tcp.empty()) {
-      options.listen_tcp.push_back("127.0.0.1:10809");
+    if (!passed.control.empty()) {
+      std::cerr << "shareblkd: a control socket was passed (socket activation), but standalone "
+                   "--export mode has none\n";
+      return 2;
     }
+    if (no_listener) options.listen_tcp.push_back("127.0.0.1:10809");
     auto exports = std::make_shared<target::StaticCatalog>();
     backend::OpenOptions open_options;
     open_options.direct = !vm["buffered"].as<bool>();
@@ -317,7 +336,12 @@ int run(int argc, char** argv) {
     if (!lock_state_dir(state / "shareblkd.lock")) return 1;
     control_socket = vm.count("control-socket") ? vm["control-socket"].as<std::string>()
                                                 : (state / "shareblk.sock").string();
-    if (options.listen_unix.empty() && options.listen_tcp.empty()) {
+    if (passed.control.size() > 1) {
+      std::cerr << "shareblkd: socket activation passed " << passed.control.size()
+                << " control sockets; shareblkd serves one\n";
+      return 2;
+    }
+    if (no_listener) {
       options.listen_unix.push_back((state / "nbd.sock").string());
       options.listen_tcp.push_back("127.0.0.1:10809");
     }
@@ -351,26 +375,33 @@ int run(int argc, char** argv) {
     std::cerr << "shareblkd: " << what << ": " << ec.message() << "\n";
     return 1;
   }
-  for (const auto& path : options.listen_unix) spdlog::info("listening on unix:{}", path);
+  for (const auto& path : server.unix_paths()) spdlog::info("listening on unix:{}", path);
   for (const auto& ep : server.tcp_endpoints()) spdlog::info("listening on tcp:{}", ep);
   if (plane) {
     control::Endpoints endpoints;
-    if (!options.listen_unix.empty()) endpoints.unix_socket = options.listen_unix.front();
+    if (!server.unix_paths().empty()) endpoints.unix_socket = server.unix_paths().front();
     if (!server.tcp_endpoints().empty()) endpoints.tcp = server.tcp_endpoints().front();
     plane->bind(&server, endpoints);
-    if (std::error_code ec = plane->listen(
-            control_socket, vm["max-control-connections"].as<unsigned>(), control_access)) {
+    const unsigned max_clients = vm["max-control-connections"].as<unsigned>();
+    if (!passed.control.empty()) control_socket = "passed by systemd";
+    if (std::error_code ec = passed.control.empty()
+                                 ? plane->listen(control_socket, max_clients, control_access)
+                                 : plane->serve(passed.control.front(), max_clients)) {
       std::cerr << "shareblkd: control socket " << control_socket << ": " << ec.message() << "\n";
       return 1;
     }
     spdlog::info("control socket {} (store: {})", control_socket, store->kind());
   }
 
+  cmd::notify_ready(plane ? "serving; control socket " + control_socket : "serving exports");
+  const cmd::WatchdogThread watchdog;
+
   int sig = 0;
   while (sigwait(&signals, &sig) == 0 && sig != SIGINT && sig != SIGTERM) {
     spdlog::info("signal {} ({}): ignored; SIGTERM or SIGINT stops shareblkd", sig, strsignal(sig));
   }
   spdlog::info("signal {}: stopping", sig);
+  cmd::notify_stopping();
   if (plane) plane->stop();
   server.stop();
   return 0;
