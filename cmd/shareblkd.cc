@@ -273,14 +273,24 @@ int run(int argc, char** argv) {
   options.peer_timeout = std::chrono::milliseconds(vm["peer-timeout-ms"].as<unsigned>());
   options.payload_timeout = std::chrono::milliseconds(vm["payload-timeout-ms"].as<unsigned>());
   sigset_t signals = block_signals();
-  // Socket activation: sockets a .socket unit passed replace the default listeners.
+  // Socket activation: the sockets a .socket unit passed replace the configured ones (one
+  // config file serves both ways of starting; binding --listen-unix's path as well would take
+  // it from systemd).
   cmd::PassedSockets passed;
   std::string passed_error;
   if (!cmd::take_passed_sockets(passed, passed_error)) {
     std::cerr << "shareblkd: " << passed_error << "\n";
     return 1;
   }
-  options.listen_fds = passed.nbd;
+  if (!passed.nbd.empty()) {
+    spdlog::info(
+        "socket activation: {} NBD listeners passed, used instead of --listen-unix and "
+        "--listen-tcp",
+        passed.nbd.size());
+    options.listen_unix.clear();
+    options.listen_tcp.clear();
+    options.listen_fds = passed.nbd;
+  }
   const bool no_listener =
       options.listen_unix.empty() && options.listen_tcp.empty() && options.listen_fds.empty();
 

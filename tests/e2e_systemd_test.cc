@@ -248,8 +248,11 @@ TEST(Systemd, ServesThePassedControlAndNbdSocketsAndLeavesThemListening) {
   int port = 0;
   const std::vector<int> fds{listening_unix(control), listening_unix(nbd), listening_tcp(port)};
   {
-    ActivatedDaemon daemon({"--state-dir", dir.path().string(), "--workers", "1"}, fds,
-                           "control:nbd:nbd", dir / "daemon.log");
+    // The passed sockets replace the configured ones (one config file for both ways to start).
+    ActivatedDaemon daemon({"--state-dir", dir.path().string(), "--workers", "1",
+                            "--control-socket", dir / "configured.sock", "--listen-unix",
+                            dir / "configured-nbd.sock", "--listen-tcp", "127.0.0.1:0"},
+                           fds, "control:nbd:nbd", dir / "daemon.log");
     // No wait for the socket to appear: it listens already, and the first call waits in its
     // backlog until the daemon accepts it.
     const std::string volume = st::rpc_ok(
@@ -277,9 +280,16 @@ TEST(Systemd, ServesThePassedControlAndNbdSocketsAndLeavesThemListening) {
     auto t = st::nbd_connect(tcp_uri);
     ASSERT_TRUE(t) << tcp_uri << "\n" << daemon.log();
     t.reset();
-    // Nothing was bound at the defaults the passed sockets replace.
-    EXPECT_FALSE(std::filesystem::exists(dir / "shareblk.sock"));
-    EXPECT_FALSE(std::filesystem::exists(dir / "nbd.sock"));
+    // Nothing was bound where the passed sockets replace the configured ones.
+    EXPECT_FALSE(std::filesystem::exists(dir / "configured.sock"));
+    EXPECT_FALSE(std::filesystem::exists(dir / "configured-nbd.sock"));
+    const std::string log = daemon.log();
+    const size_t tcp_line = log.find("listening on tcp:");
+    ASSERT_NE(tcp_line, std::string::npos) << log;
+    EXPECT_EQ(log.substr(tcp_line, log.find('\n', tcp_line) - tcp_line),
+              "listening on tcp:127.0.0.1:" + std::to_string(port))
+        << log;
+    EXPECT_EQ(log.find("listening on tcp:", tcp_line + 1), std::string::npos) << log;
     EXPECT_EQ(daemon.stop(), 0) << daemon.log();
   }
   // The sockets are systemd's: still there and listening after the daemon stopped, so that the
