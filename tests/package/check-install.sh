@@ -25,7 +25,7 @@ expected=$(printf '%s\n' bin/shareblk sbin/shareblkd "$plugin" \
   lib/systemd/system/shareblkd-nbd.socket etc/shareblk/shareblkd.conf \
   share/man/man1/shareblk.1 share/man/man8/shareblkd.8 \
   share/bash-completion/completions/shareblk share/bash-completion/completions/shareblkd \
-  share/doc/shareblk/install.md | sort)
+  share/doc/shareblk/install.md share/doc/shareblk/examples/fuse-local-attach.conf | sort)
 actual=$(cd "$p" && find . -type f -printf '%P\n' | sort)
 check "installed files: expected vs actual:
 $(diff <(echo "$expected") <(echo "$actual"))" test "$expected" = "$actual"

@@ -2,7 +2,8 @@
 # The .deb under a real systemd (docs/install.md): a container booted with systemd-nspawn from
 # the host's own /usr (an overlay, so that dpkg can write) installs the package, and then
 # `systemctl start shareblkd` brings the daemon up (Type=notify: start returns once it is
-# READY), `shareblk volume-list` answers, and with the socket units the first client starts it.
+# READY), `shareblk volume-list` answers, the watchdog is fed, with the socket units the first
+# client starts it, and FUSE local attach reaches the host with the documented drop-in.
 # The container is started and stopped by pid in a temp dir, on a private network.
 # Usage: check-systemd.sh BUILD_DIR VERSION. Exit 77: no root or systemd-nspawn (not under CI).
 set -euo pipefail
@@ -14,6 +15,7 @@ skip() {
 [ "$(id -u)" = 0 ] || skip "needs root (systemd-nspawn)"
 command -v systemd-nspawn >/dev/null || skip "systemd-nspawn (systemd-container) is not installed"
 [ -x /lib/systemd/systemd ] || skip "systemd is not installed"
+[ -c /dev/fuse ] || skip "no /dev/fuse (FUSE local attach)"
 tmp=$(mktemp -d)
 nspawn=
 cleanup() {
@@ -75,13 +77,28 @@ systemctl start shareblkd.socket shareblkd-nbd.socket && echo "probe: sockets li
 systemctl is-active shareblkd
 shareblk volume-list | grep -q '^[0-9a-f]' && echo "probe: activated volume-list answered"
 echo "probe: after activation $(systemctl is-active shareblkd)"
+# FUSE local attach: the host sees an attachment's disk only with the FUSE drop-in.
+fuse_disk() { # NAME: a volume and a FUSE attachment at /mnt/NAME; does the host see its disk?
+  local v a
+  v=$(shareblk --json volume-create "fuse-$1" 1M | sed -n 's/.*"id": *"\([^"]*\)".*/\1/p')
+  a=$(shareblk --json attachment-create "$v" "i-$1" | sed -n 's/.*"id": *"\([^"]*\)".*/\1/p')
+  mkdir -p "/mnt/$1"
+  shareblk call attachment_update "{\"attachment_id\": \"$a\", \"connector\": {\"host\": \"h\",
+    \"transport\": \"fuse\", \"mountpoint\": \"/mnt/$1\"}}" >/dev/null
+  test -e "/mnt/$1/disk" && echo yes || echo no
+}
+echo "probe: FUSE disk seen by the host, hardened unit: $(fuse_disk hardened)"
+mkdir -p /etc/systemd/system/shareblkd.service.d
+cp /usr/share/doc/shareblk/examples/fuse-local-attach.conf /etc/systemd/system/shareblkd.service.d/
+systemctl daemon-reload && systemctl restart shareblkd
+echo "probe: FUSE disk seen by the host, with the drop-in: $(fuse_disk dropin)"
 journalctl -u shareblkd --no-pager | tail -20
 echo "probe: done"
 PROBE
 
 start=$SECONDS
 systemd-nspawn -q -D "$root" --overlay=/usr::/usr --bind="$tmp/shared:/shared" \
-  --private-network --register=no --keep-unit -b >"$tmp/console.log" 2>&1 </dev/null &
+  --bind=/dev/fuse --private-network --register=no --keep-unit -b >"$tmp/console.log" 2>&1 </dev/null &
 nspawn=$!
 for _ in $(seq 600); do kill -0 "$nspawn" 2>/dev/null || break; sleep 0.1; done
 if kill -0 "$nspawn" 2>/dev/null; then
@@ -99,7 +116,8 @@ for line in "probe: installed" "probe: started" "ActiveState=active" "SubState=r
   "Type=notify" "WatchdogUSec=30s" "probe: volume-list answered" "shareblk $version" \
   "probe: watchdog 1s 0 active" \
   "probe: stopped (inactive)" "probe: sockets listening" "probe: activated volume-list answered" \
-  "probe: after activation active" "probe: done"; do
+  "probe: after activation active" "probe: FUSE disk seen by the host, hardened unit: no" \
+  "probe: FUSE disk seen by the host, with the drop-in: yes" "probe: done"; do
   grep -qF -- "$line" <<<"$log" || { echo "FAIL: the probe did not say: $line"; fail=1; }
 done
 echo "--- probe log"; echo "$log"
