@@ -136,7 +136,11 @@ std::error_code ControlPlane::serve(int listening_fd, size_t max_clients) {
   // back for operators, or enough NBD clients through nbdkit would lock them out.
   s.service.set_max_subscribers(max_clients - std::min<size_t>(16, max_clients / 2));
   s.stop_event = ::eventfd(0, EFD_CLOEXEC);
-  if (s.stop_event < 0) return {errno, std::generic_category()};
+  if (s.stop_event < 0) {
+    const std::error_code ec(errno, std::generic_category());
+    ::close(listening_fd);
+    return ec;
+  }
   s.listen_fd = listening_fd;
   s.acceptor = std::thread([&s] { s.accept_loop(); });
   return {};
