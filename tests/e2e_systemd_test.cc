@@ -121,15 +121,18 @@ TEST(Systemd, NotifiesReadyWatchdogAndStoppingOnTheNotifySocket) {
   EXPECT_EQ(daemon.stop(SIGTERM), 0) << daemon.log();
 }
 
-TEST(Systemd, WithoutNotifySocketOrWatchdogNothingIsSent) {
-  // The daemon run by hand: no NOTIFY_SOCKET, so sd_notify is a no-op and nothing fails.
+TEST(Systemd, WithoutWatchdogSecNoWatchdogNoticeIsSent) {
+  // (Without NOTIFY_SOCKET at all, as every other end-to-end test runs it, nothing is sent.)
   st::TempDir dir;
+  FakeNotifySocket notify(dir / "notify.sock");
+  const ScopedEnv notify_env("NOTIFY_SOCKET", dir / "notify.sock");
+  ::unsetenv("WATCHDOG_USEC");
   const std::string control = dir / "shareblk.sock";
-  ::unsetenv("NOTIFY_SOCKET");
   st::Daemon daemon({"--state-dir", dir.path().string(), "--listen-unix", dir / "nbd.sock",
                      "--listen-tcp", "127.0.0.1:0", "--workers", "1"},
                     control);
-  EXPECT_TRUE(st::rpc_ok(control, "volume_list").is_array());
+  ASSERT_FALSE(notify.wait_for("READY=1", seconds(10)).empty()) << daemon.log();
+  EXPECT_EQ(notify.wait_for("WATCHDOG=1", milliseconds(500)), "");
   EXPECT_EQ(daemon.stop(SIGTERM), 0) << daemon.log();
 }
 
@@ -171,22 +174,36 @@ class ActivatedDaemon {
     std::vector<char*> cargs;
     for (auto& a : argv) cargs.push_back(a.data());
     cargs.push_back(nullptr);
+    // The environment is made before fork; the child only writes its pid into LISTEN_PID's
+    // room (no allocation after fork in a process that may have threads).
+    std::vector<std::string> env{"LISTEN_FDS=" + std::to_string(fds.size()),
+                                 "LISTEN_FDNAMES=" + names, "LISTEN_PID=0000000000"};
+    for (char** e = environ; *e != nullptr; ++e) {
+      if (std::strncmp(*e, "LISTEN_", 7) != 0) env.emplace_back(*e);
+    }
+    std::vector<char*> cenv;
+    for (auto& e : env) cenv.push_back(e.data());
+    cenv.push_back(nullptr);
+    char* pid_digits = env[2].data() + std::strlen("LISTEN_PID=");
+    // Out of the way of 3, 4, ... first (above every descriptor the test has), then into place.
+    std::vector<int> moved;
+    for (const int fd : fds) moved.push_back(::fcntl(fd, F_DUPFD_CLOEXEC, 100));
     const int log_fd = ::open(log_path.c_str(), O_CREAT | O_TRUNC | O_WRONLY | O_CLOEXEC, 0644);
     pid_ = ::fork();
     if (pid_ == 0) {
-      // Out of the way of 3, 4, ... first, then into place (dup2 clears FD_CLOEXEC).
-      std::vector<int> moved;
-      for (const int fd : fds) moved.push_back(::fcntl(fd, F_DUPFD_CLOEXEC, 100));
       for (size_t i = 0; i < moved.size(); ++i) ::dup2(moved[i], 3 + static_cast<int>(i));
-      ::dup2(log_fd, 1);
+      ::dup2(log_fd, 1);  // dup2 clears FD_CLOEXEC
       ::dup2(log_fd, 2);
-      const std::string pid = std::to_string(::getpid());
-      ::setenv("LISTEN_PID", pid.c_str(), 1);
-      ::setenv("LISTEN_FDS", std::to_string(fds.size()).c_str(), 1);
-      ::setenv("LISTEN_FDNAMES", names.c_str(), 1);
-      ::execv(cargs[0], cargs.data());
+      int n = 0;
+      char digits[16];
+      for (pid_t pid = ::getpid(); pid > 0; pid /= 10)
+        digits[n++] = static_cast<char>('0' + pid % 10);
+      for (int i = 0; i < n; ++i) pid_digits[i] = digits[n - 1 - i];
+      pid_digits[n] = '\0';
+      ::execve(cargs[0], cargs.data(), cenv.data());
       ::_exit(127);
     }
+    for (const int fd : moved) ::close(fd);
     ::close(log_fd);
   }
   ~ActivatedDaemon() { stop(); }
