@@ -58,6 +58,7 @@ po::options_description daemon_options() {
   // clang-format off
   desc.add_options()
     ("help,h", "show this help")
+    ("version", "print the version and exit")
     ("config", po::value<std::string>(),
      "read options from FILE (one `name = value` per line); SIGHUP reads it again")
     ("state-dir", po::value<std::string>()->default_value("./var"),

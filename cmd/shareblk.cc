@@ -173,6 +173,7 @@ int run(int argc, char** argv) {
   // clang-format off
   global.add_options()
     ("help,h", "show this help")
+    ("version", "print the version and exit")
     ("socket", po::value<std::string>()->default_value(env_socket ? env_socket : "./var/shareblk.sock"),
      "control socket (also $SHAREBLK_SOCKET)")
     ("json", po::bool_switch(), "print the result as JSON");
@@ -193,6 +194,10 @@ int run(int argc, char** argv) {
   } catch (const std::exception& e) {
     std::cerr << "shareblk: " << e.what() << "\n";
     return 2;
+  }
+  if (vm.count("version")) {
+    std::cout << "shareblk " SHAREBLK_VERSION "\n";
+    return 0;
   }
   std::string command = vm.count("command") ? vm["command"].as<std::string>() : "";
   // collect_unrecognized with include_positional returns the command too: drop it.

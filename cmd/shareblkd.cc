@@ -21,6 +21,7 @@
 #include "backend/backend.h"
 #include "cmd/daemon_log.h"
 #include "cmd/daemon_options.h"
+#include "cmd/systemd.h"
 #include "control/control.h"
 #include "lvm/volume_store.h"
 #include "target/target.h"
@@ -211,6 +212,10 @@ int run(int argc, char** argv) {
     std::cout << cmd::daemon_options();
     return 0;
   }
+  if (vm.count("version")) {
+    std::cout << "shareblkd " SHAREBLK_VERSION "\n";
+    return 0;
+  }
   spdlog::set_level(spdlog::level::from_str(vm["log-level"].as<std::string>()));
   if (vm.count("log-file") && !cmd::log_to(vm["log-file"].as<std::string>(), error)) {
     std::cerr << "shareblkd: --log-file: " << error << "\n";
@@ -271,6 +276,26 @@ int run(int argc, char** argv) {
   options.payload_timeout =
       std::chrono::milliseconds(vm["payload-timeout-ms"].as<cmd::Milliseconds>().value);
   sigset_t signals = block_signals();
+  // Socket activation: the sockets a .socket unit passed replace the configured ones (one
+  // config file serves both ways of starting; binding --listen-unix's path as well would take
+  // it from systemd).
+  cmd::PassedSockets passed;
+  std::string passed_error;
+  if (!cmd::take_passed_sockets(passed, passed_error)) {
+    std::cerr << "shareblkd: " << passed_error << "\n";
+    return 1;
+  }
+  if (!passed.nbd.empty()) {
+    spdlog::info(
+        "socket activation: {} NBD listeners passed, used instead of --listen-unix and "
+        "--listen-tcp",
+        passed.nbd.size());
+    options.listen_unix.clear();
+    options.listen_tcp.clear();
+    options.listen_fds = passed.nbd;
+  }
+  const bool no_listener =
+      options.listen_unix.empty() && options.listen_tcp.empty() && options.listen_fds.empty();
 
   std::shared_ptr<target::ExportCatalog> catalog;
   std::vector<std::shared_ptr<backend::Volume>> standalone_volumes;
@@ -278,9 +303,12 @@ int run(int argc, char** argv) {
   std::unique_ptr<control::ControlPlane> plane;
   std::string control_socket;
   if (vm.count("export")) {
-    if (options.listen_unix.empty() && options.listen_tcp.empty()) {
-      options.listen_tcp.push_back("127.0.0.1:10809");
+    if (!passed.control.empty()) {
+      std::cerr << "shareblkd: a control socket was passed (socket activation), but standalone "
+                   "--export mode has none\n";
+      return 2;
     }
+    if (no_listener) options.listen_tcp.push_back("127.0.0.1:10809");
     auto exports = std::make_shared<target::StaticCatalog>();
     backend::OpenOptions open_options;
     open_options.direct = !vm["buffered"].as<bool>();
@@ -322,7 +350,12 @@ int run(int argc, char** argv) {
     if (!lock_state_dir(state / "shareblkd.lock")) return 1;
     control_socket = vm.count("control-socket") ? vm["control-socket"].as<std::string>()
                                                 : (state / "shareblk.sock").string();
-    if (options.listen_unix.empty() && options.listen_tcp.empty()) {
+    if (passed.control.size() > 1) {
+      std::cerr << "shareblkd: socket activation passed " << passed.control.size()
+                << " control sockets; shareblkd serves one\n";
+      return 2;
+    }
+    if (no_listener) {
       options.listen_unix.push_back((state / "nbd.sock").string());
       options.listen_tcp.push_back("127.0.0.1:10809");
     }
@@ -350,27 +383,35 @@ int run(int argc, char** argv) {
     std::cerr << "shareblkd: " << what << ": " << ec.message() << "\n";
     return 1;
   }
-  for (const auto& path : options.listen_unix) spdlog::info("listening on unix:{}", path);
+  for (const auto& path : server.unix_paths()) spdlog::info("listening on unix:{}", path);
   for (const auto& ep : server.tcp_endpoints()) spdlog::info("listening on tcp:{}", ep);
   if (plane) {
     control::Endpoints endpoints;
-    if (!options.listen_unix.empty()) endpoints.unix_socket = options.listen_unix.front();
+    if (!server.unix_paths().empty()) endpoints.unix_socket = server.unix_paths().front();
     if (!server.tcp_endpoints().empty()) {
       endpoints.tcp = advertised_tcp(server.tcp_endpoints().front(), vm);
     }
     plane->bind(&server, endpoints);
-    if (std::error_code ec = plane->listen(
-            control_socket, vm["max-control-connections"].as<cmd::Count>().value, control_access)) {
+    const unsigned max_clients = vm["max-control-connections"].as<cmd::Count>().value;
+    if (!passed.control.empty()) control_socket = "passed by systemd";
+    if (std::error_code ec = passed.control.empty()
+                                 ? plane->listen(control_socket, max_clients, control_access)
+                                 : plane->serve(passed.control.front(), max_clients)) {
       std::cerr << "shareblkd: control socket " << control_socket << ": " << ec.message() << "\n";
       return 1;
     }
     spdlog::info("control socket {} (store: {})", control_socket, store->kind());
   }
 
+  cmd::notify_ready(plane ? "serving; control socket " + control_socket : "serving exports");
+  const cmd::WatchdogThread watchdog;
+
   int sig = 0;
   while (sigwait(&signals, &sig) == 0 && sig != SIGINT && sig != SIGTERM) {
     if (sig == SIGHUP) {
+      cmd::notify_reloading();
       reload(argc, argv, plane.get(), server, options.tls);
+      cmd::notify_ready(plane ? "serving; control socket " + control_socket : "serving exports");
     } else {
       spdlog::info("signal {} ({}): ignored; SIGTERM or SIGINT stops shareblkd, SIGHUP reloads",
                    sig, strsignal(sig));
@@ -379,6 +420,7 @@ int run(int argc, char** argv) {
   // Stop taking calls and connections, let the requests in flight be answered, then make every
   // acknowledged write durable; the database closes with the control plane.
   spdlog::info("signal {}: stopping", sig);
+  cmd::notify_stopping();
   if (plane) plane->stop();
   server.stop();
   bool flushed = true;
@@ -392,7 +434,6 @@ int run(int argc, char** argv) {
   plane.reset();
   spdlog::info("stopped{}", flushed ? "" : " (a volume could not be flushed: see above)");
   return flushed ? 0 : 1;
-  return 0;
 }
 
 }  // namespace

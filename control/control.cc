@@ -2,11 +2,13 @@
 #include "control/control.h"
 
 #include <spdlog/spdlog.h>
+#include <sys/eventfd.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <chrono>
 #include <condition_variable>
 #include <mutex>
@@ -88,7 +90,8 @@ struct ControlPlane::Impl {
   std::shared_ptr<Catalog> catalog;
 
   int listen_fd = -1;
-  std::string socket_path;
+  int stop_event = -1;      // an eventfd: written at stop, ends the accept loop's wait
+  std::string socket_path;  // the socket listen() bound; empty for a passed one
   size_t max_clients = 0;
   std::thread acceptor;
   std::mutex mutex;
@@ -128,21 +131,32 @@ std::string ControlPlane::handle(const std::string& line, const Caller& caller) 
 std::error_code ControlPlane::listen(const std::string& path, size_t max_clients,
                                      target::SocketAccess access) {
   Impl& s = *impl_;
+  int fd = -1;
+  if (std::error_code ec = target::listen_unix(path, access, fd)) return ec;
+  s.socket_path = path;
+  return serve(fd, max_clients);
+}
+
+std::error_code ControlPlane::serve(int listening_fd, size_t max_clients) {
+  Impl& s = *impl_;
   s.max_clients = max_clients;
   // nbdkit's connections each hold a control connection for their whole life: some are kept
   // back for operators, or enough NBD clients through nbdkit would lock them out.
   s.service.set_max_subscribers(max_clients - std::min<size_t>(16, max_clients / 2));
-  int fd = -1;
-  if (std::error_code ec = target::listen_unix(path, access, fd)) return ec;
-  s.listen_fd = fd;
-  s.socket_path = path;
+  s.stop_event = ::eventfd(0, EFD_CLOEXEC);
+  if (s.stop_event < 0) {
+    const std::error_code ec(errno, std::generic_category());
+    ::close(listening_fd);
+    return ec;
+  }
+  s.listen_fd = listening_fd;
   s.acceptor = std::thread([&s] { s.accept_loop(); });
   return {};
 }
 
 void ControlPlane::Impl::accept_loop() {
   for (;;) {
-    int fd = ::accept4(listen_fd, nullptr, nullptr, SOCK_CLOEXEC);
+    int fd = target::accept_or_stop(listen_fd, stop_event);
     if (fd < 0) {
       if (errno == EINTR || errno == ECONNABORTED) continue;
       if (errno == EMFILE || errno == ENFILE) {
@@ -309,10 +323,13 @@ void ControlPlane::stop() {
     s.stopping = true;
   }
   if (s.listen_fd >= 0) {
-    ::shutdown(s.listen_fd, SHUT_RDWR);
+    const uint64_t one = 1;
+    (void)!::write(s.stop_event, &one, sizeof one);  // ends the accept loop's wait
     if (s.acceptor.joinable()) s.acceptor.join();
     ::close(s.listen_fd);
-    ::unlink(s.socket_path.c_str());
+    ::close(s.stop_event);
+    // A socket we bound goes with us; a passed one stays with systemd, listening.
+    if (!s.socket_path.empty()) ::unlink(s.socket_path.c_str());
   }
   std::unique_lock lock(s.mutex);
   for (int fd : s.clients) ::shutdown(fd, SHUT_RDWR);

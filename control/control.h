@@ -87,6 +87,9 @@ class ControlPlane {
   // daemon goes on.
   std::error_code listen(const std::string& path, size_t max_clients,
                          target::SocketAccess access = {0600, std::nullopt});
+  // The same on a socket already listening (systemd socket activation), which this takes:
+  // its descriptor is closed at stop(), the socket itself neither shut down nor removed.
+  std::error_code serve(int listening_fd, size_t max_clients);
   void stop();
   // After stop() and the NBD server's: makes every write acknowledged to a client durable
   // (fdatasync of each open volume). False, logged, when a volume could not be flushed.

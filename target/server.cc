@@ -4,11 +4,13 @@
 // then its socket moves to an io_uring worker for the transmission phase. Handshakes are rare
 // and small; keeping them off the workers keeps a slow or hostile client from stalling I/O.
 #include <arpa/inet.h>
+#include <fcntl.h>
 #include <netdb.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <poll.h>
 #include <spdlog/spdlog.h>
+#include <sys/eventfd.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -18,6 +20,7 @@
 #include <chrono>
 #include <climits>
 #include <condition_variable>
+#include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <mutex>
@@ -119,6 +122,57 @@ void drop_silent_peers_after(int fd, std::chrono::milliseconds timeout) {
   ::setsockopt(fd, IPPROTO_TCP, TCP_USER_TIMEOUT, &user_timeout, sizeof user_timeout);
 }
 
+// "HOST:PORT" ("[HOST]:PORT" for IPv6) of a bound TCP socket.
+std::string tcp_endpoint_of(int fd) {
+  sockaddr_storage ss{};
+  socklen_t len = sizeof ss;
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&ss), &len);
+  char text[INET6_ADDRSTRLEN] = {};
+  if (ss.ss_family == AF_INET6) {
+    auto* a = reinterpret_cast<sockaddr_in6*>(&ss);
+    ::inet_ntop(AF_INET6, &a->sin6_addr, text, sizeof text);
+    return "[" + std::string(text) + "]:" + std::to_string(ntohs(a->sin6_port));
+  }
+  auto* a = reinterpret_cast<sockaddr_in*>(&ss);
+  ::inet_ntop(AF_INET, &a->sin_addr, text, sizeof text);
+  return std::string(text) + ":" + std::to_string(ntohs(a->sin_port));
+}
+
+// A passed-in socket (socket activation) as a listener: whether it is TCP, and its endpoint or
+// path. EINVAL for anything but a listening stream socket of AF_UNIX, AF_INET or AF_INET6.
+std::error_code inspect_listener(int fd, bool& tcp, std::string& where) {
+  int type = 0;
+  int listening = 0;
+  socklen_t size = sizeof type;
+  if (::getsockopt(fd, SOL_SOCKET, SO_TYPE, &type, &size) != 0)
+    return {errno, std::generic_category()};
+  size = sizeof listening;
+  if (::getsockopt(fd, SOL_SOCKET, SO_ACCEPTCONN, &listening, &size) != 0) {
+    return {errno, std::generic_category()};
+  }
+  sockaddr_storage ss{};
+  socklen_t len = sizeof ss;
+  if (::getsockname(fd, reinterpret_cast<sockaddr*>(&ss), &len) != 0) {
+    return {errno, std::generic_category()};
+  }
+  if (type != SOCK_STREAM || listening == 0)
+    return std::make_error_code(std::errc::invalid_argument);
+  if (ss.ss_family == AF_INET || ss.ss_family == AF_INET6) {
+    tcp = true;
+    where = tcp_endpoint_of(fd);
+    return {};
+  }
+  if (ss.ss_family != AF_UNIX) return std::make_error_code(std::errc::invalid_argument);
+  tcp = false;
+  const auto* un = reinterpret_cast<const sockaddr_un*>(&ss);
+  const size_t path_len = len - offsetof(sockaddr_un, sun_path);
+  // An abstract socket's name starts with a NUL: shown with '@', as ss(8) does.
+  where = path_len > 0 && un->sun_path[0] == '\0'
+              ? "@" + std::string(un->sun_path + 1, path_len - 1)
+              : std::string(un->sun_path, strnlen(un->sun_path, path_len));
+  return {};
+}
+
 std::error_code listen_tcp(const std::string& endpoint, int& out, std::string& bound) {
   const size_t colon = endpoint.rfind(':');
   if (colon == std::string::npos) return std::make_error_code(std::errc::invalid_argument);
@@ -145,22 +199,7 @@ std::error_code listen_tcp(const std::string& endpoint, int& out, std::string& b
     ::close(fd);
     return ec;
   }
-  sockaddr_storage ss{};
-  socklen_t len = sizeof ss;
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&ss), &len);
-  char text[INET6_ADDRSTRLEN] = {};
-  uint16_t actual = 0;
-  if (ss.ss_family == AF_INET6) {
-    auto* a = reinterpret_cast<sockaddr_in6*>(&ss);
-    ::inet_ntop(AF_INET6, &a->sin6_addr, text, sizeof text);
-    actual = ntohs(a->sin6_port);
-    bound = "[" + std::string(text) + "]:" + std::to_string(actual);
-  } else {
-    auto* a = reinterpret_cast<sockaddr_in*>(&ss);
-    ::inet_ntop(AF_INET, &a->sin_addr, text, sizeof text);
-    actual = ntohs(a->sin_port);
-    bound = std::string(text) + ":" + std::to_string(actual);
-  }
+  bound = tcp_endpoint_of(fd);
   out = fd;
   return {};
 }
@@ -234,6 +273,27 @@ std::error_code listen_unix(const std::string& path, const SocketAccess& access,
   return {};
 }
 
+int accept_or_stop(int listen_fd, int stop_fd) {
+  for (;;) {
+    pollfd fds[2] = {{listen_fd, POLLIN, 0}, {stop_fd, POLLIN, 0}};
+    if (::poll(fds, 2, -1) < 0) {
+      if (errno == EINTR) continue;
+      return -1;
+    }
+    if (fds[1].revents != 0) {
+      errno = ECANCELED;
+      return -1;
+    }
+    // Non-blocking, or a client gone between poll() and here would leave it blocked where
+    // stop_fd cannot wake it. (A passed listener shares O_NONBLOCK with systemd's descriptor;
+    // systemd only polls it.)
+    const int flags = ::fcntl(listen_fd, F_GETFL);
+    if (flags >= 0 && (flags & O_NONBLOCK) == 0) ::fcntl(listen_fd, F_SETFL, flags | O_NONBLOCK);
+    const int fd = ::accept4(listen_fd, nullptr, nullptr, SOCK_CLOEXEC);
+    if (fd >= 0 || errno != EAGAIN) return fd;
+  }
+}
+
 std::string describe(const Peer& peer) {
   std::string text;
   if (peer.transport == Peer::Transport::Tcp) {
@@ -257,7 +317,7 @@ struct Server::Impl final : ConnectionRegistry {
   struct Listener {
     int fd = -1;
     bool tcp = false;
-    std::string path;  // unix sockets: removed at stop
+    std::string path;  // unix sockets we bound: removed at stop (passed ones are not)
     std::thread thread;
   };
 
@@ -266,6 +326,8 @@ struct Server::Impl final : ConnectionRegistry {
   std::vector<std::unique_ptr<Worker>> workers;
   std::vector<Listener> listeners;
   std::vector<std::string> tcp_bound;
+  std::vector<std::string> unix_bound;
+  int stop_event = -1;  // an eventfd: written at stop, ends the accept loops' wait
 
   mutable std::mutex mutex;
   std::condition_variable changed;
@@ -305,7 +367,7 @@ struct Server::Impl final : ConnectionRegistry {
 
 void Server::Impl::accept_loop(Listener& listener) {
   for (;;) {
-    int fd = ::accept4(listener.fd, nullptr, nullptr, SOCK_CLOEXEC);
+    int fd = accept_or_stop(listener.fd, stop_event);
     if (fd < 0) {
       if (errno == EINTR || errno == ECONNABORTED) continue;
       if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM) {
@@ -313,7 +375,7 @@ void Server::Impl::accept_loop(Listener& listener) {
         std::this_thread::sleep_for(std::chrono::milliseconds(100));
         continue;
       }
-      return;  // the listener was shut down
+      return;  // stopping (ECANCELED), or the listener failed
     }
     const std::string key = peer_key(fd, listener.tcp);
     std::unique_lock lock(mutex);
@@ -493,6 +555,7 @@ std::error_code Server::start(std::string& what) {
       return ec;
     }
     l.path = path;
+    s.unix_bound.push_back(path);
     s.listeners.push_back(std::move(l));
   }
   for (const std::string& endpoint : s.options.listen_tcp) {
@@ -505,6 +568,22 @@ std::error_code Server::start(std::string& what) {
     }
     s.tcp_bound.push_back(bound);
     s.listeners.push_back(std::move(l));
+  }
+  for (const int fd : s.options.listen_fds) {
+    Impl::Listener l;
+    std::string where;
+    if (std::error_code ec = inspect_listener(fd, l.tcp, where)) {
+      what = "passed socket (descriptor " + std::to_string(fd) + ")";
+      return ec;
+    }
+    l.fd = fd;
+    (l.tcp ? s.tcp_bound : s.unix_bound).push_back(where);
+    s.listeners.push_back(std::move(l));
+  }
+  s.stop_event = ::eventfd(0, EFD_CLOEXEC);
+  if (s.stop_event < 0) {
+    what = "eventfd";
+    return {errno, std::generic_category()};
   }
   if (s.options.tls.mode != TlsOptions::Mode::Off) {
     std::string error;
@@ -535,12 +614,18 @@ void Server::stop() {
     if (s.stopping) return;
     s.stopping = true;
   }
+  if (s.stop_event >= 0) {
+    const uint64_t one = 1;
+    (void)!::write(s.stop_event, &one, sizeof one);  // wakes every accept loop
+  }
   for (auto& l : s.listeners) {
-    ::shutdown(l.fd, SHUT_RDWR);  // wakes accept()
     if (l.thread.joinable()) l.thread.join();
     ::close(l.fd);
     if (!l.path.empty()) ::unlink(l.path.c_str());
   }
+  s.listeners.clear();
+  if (s.stop_event >= 0) ::close(s.stop_event);
+  s.stop_event = -1;
   {
     std::unique_lock lock(s.mutex);
     for (int fd : s.handshake_fds) ::shutdown(fd, SHUT_RDWR);
@@ -567,6 +652,10 @@ std::error_code Server::reload_tls(std::string& error) {
 
 std::vector<std::string> Server::tcp_endpoints() const {
   return impl_->tcp_bound;
+}
+
+std::vector<std::string> Server::unix_paths() const {
+  return impl_->unix_bound;
 }
 
 void Server::close_group(const std::string& group) {

@@ -112,6 +112,12 @@ struct SocketAccess {
 // listeners and the control socket alike.
 std::error_code listen_unix(const std::string& path, const SocketAccess& access, int& fd);
 
+// Accepts one connection on `listen_fd` (the new descriptor SOCK_CLOEXEC), waiting in poll()
+// so that a write to the eventfd `stop_fd` ends the wait: then -1 with errno ECANCELED. A
+// listener systemd passed in cannot be woken with shutdown(), which would shut it for systemd
+// too. For the NBD listeners and the control socket alike.
+int accept_or_stop(int listen_fd, int stop_fd);
+
 // TLS on the NBD listeners (proto.md "TLS support"; docs/nbd.md, "TLS").
 struct TlsOptions {
   // Off: NOTLS (NBD_OPT_STARTTLS gets NBD_REP_ERR_UNSUP). On: SELECTIVETLS, exports the
@@ -130,8 +136,13 @@ struct ServerOptions {
   std::vector<std::string> listen_unix;  // socket paths
   SocketAccess unix_access;              // for every path of listen_unix
   std::vector<std::string> listen_tcp;   // HOST:PORT; port 0 picks a free one
-  unsigned workers = 0;                  // io_uring threads; 0 = one per CPU
-  unsigned max_connections = 1024;       // beyond this, new connections are closed at once
+  // Sockets already listening (systemd socket activation), Unix or TCP by their address
+  // family, served besides the ones above. The server takes the descriptors (closes them at
+  // stop) but never binds, shuts down or removes the sockets: they stay with whoever passed
+  // them, listening, so that systemd can start the daemon again on the next connection.
+  std::vector<int> listen_fds;
+  unsigned workers = 0;             // io_uring threads; 0 = one per CPU
+  unsigned max_connections = 1024;  // beyond this, new connections are closed at once
   // Connections still in their handshake, at most, and at most per peer (a TCP address, or a
   // Unix uid): clients that connect and never negotiate cannot hold every place, and one host
   // cannot hold every handshake. Past either, a new connection is closed at once.
@@ -173,6 +184,8 @@ class Server {
 
   // The TCP endpoints actually bound ("HOST:PORT"), useful with port 0.
   std::vector<std::string> tcp_endpoints() const;
+  // The Unix socket paths listened on, listen_unix's and then the passed ones'.
+  std::vector<std::string> unix_paths() const;
 
   // Stops reading from every connection of `group`, lets the requests in flight be answered,
   // closes the connections and returns when none is left. Connections of the group still in
