@@ -1,12 +1,17 @@
 // shareblk: the command-line client of the control socket. One subcommand per API method;
 // tables for people, --json for scripts. Exit status: 0 ok, 1 the daemon refused (the reason
 // is printed), 2 bad usage, 3 the daemon could not be reached.
+#include <unistd.h>
+
 #include <boost/program_options.hpp>
+#include <chrono>
 #include <cstdlib>
+#include <filesystem>
 #include <iomanip>
 #include <iostream>
 #include <nlohmann/json.hpp>
 #include <sstream>
+#include <thread>
 
 #include "rpc/client.h"
 #include "text/printable.h"
@@ -152,6 +157,47 @@ po::options_description connector_options() {
   return d;
 }
 
+// volume-delete and volume-create --from-image start a job on the daemon and return; this
+// follows it (volume_show, five times a second) with a progress bar on a terminal's stderr,
+// until the volume is gone (a delete) or no longer "creating". Returns the exit status and sets
+// `result` to what to print.
+int follow_job(shareblk::rpc::Client& client, const std::string& volume_id, Json& result) {
+  const bool bar = ::isatty(2) != 0;
+  int last = -1;
+  for (;;) {
+    const shareblk::rpc::Outcome shown = client.call("volume_show", {{"volume_id", volume_id}});
+    if (shown.error && shown.error->reason == "not_found") {
+      if (bar && last >= 0) std::cerr << "\n";
+      result = Json{{"id", volume_id}, {"deleted", true}};
+      return 0;
+    }
+    if (shown.error) {
+      if (bar && last >= 0) std::cerr << "\n";
+      std::cerr << "shareblk: volume_show failed: " << escaped(shown.error->message) << "\n";
+      return shown.error->link ? 3 : 1;
+    }
+    const Json& v = shown.result;
+    const std::string status = v["status"].get<std::string>();
+    if (status != "deleting" && status != "creating") {
+      if (bar && last >= 0) std::cerr << "\n";
+      result = v;
+      if (status != "error") return 0;
+      std::cerr << "shareblk: volume " << escaped(volume_id)
+                << " is in error: " << text(v["status_reason"]) << "\n";
+      return 1;
+    }
+    const int percent = v["progress"].is_number() ? v["progress"].get<int>() : 0;
+    if (bar && percent != last) {
+      const int filled = percent / 5;
+      std::cerr << "\r" << status << " [" << std::string(filled, '#')
+                << std::string(20 - filled, ' ') << "] " << std::setw(3) << percent << "%"
+                << std::flush;
+      last = percent;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  }
+}
+
 struct Command {
   const char* name;
   const char* summary;
@@ -161,16 +207,29 @@ struct Command {
 };
 
 const Command kCommands[] = {
-    {"volume_create", "NAME SIZE [--multiattach] [--bootable] [--writer-policy multi|single]",
+    {"volume_create",
+     "NAME SIZE [--multiattach] [--bootable] [--writer-policy multi|single] | NAME [SIZE] "
+     "--from-image FILE [--no-wait]",
      [](const std::vector<std::string>& args) {
        po::options_description d;
        d.add_options()("multiattach", po::bool_switch())("bootable", po::bool_switch())(
-           "writer-policy", po::value<std::string>());
-       auto vm = parse(args, d, {"name", "size"});
+           "writer-policy", po::value<std::string>())("from-image", po::value<std::string>())(
+           "name", po::value<std::string>()->required())("size", po::value<std::string>());
+       po::positional_options_description pos;
+       pos.add("name", 1).add("size", 1);
+       po::variables_map vm;
+       po::store(po::command_line_parser(args).options(d).positional(pos).run(), vm);
+       po::notify(vm);
        Json p{{"name", get(vm, "name")},
-              {"size", size_value(get(vm, "size"))},
               {"multiattach", vm["multiattach"].as<bool>()},
               {"bootable", vm["bootable"].as<bool>()}};
+       if (vm.count("size")) p["size"] = size_value(get(vm, "size"));
+       if (vm.count("from-image")) {
+         // A path on the daemon's host: made absolute here, where the caller's directory is.
+         p["from_image"] = std::filesystem::absolute(get(vm, "from-image")).string();
+       } else if (!vm.count("size")) {
+         throw UsageError("volume-create needs SIZE, or --from-image");
+       }
        if (vm.count("writer-policy")) p["writer_policy"] = get(vm, "writer-policy");
        return p;
      },
@@ -186,7 +245,7 @@ const Command kCommands[] = {
        return Json{{"volume_id", get(parse(args, {}, {"volume_id"}), "volume_id")}};
      },
      Command::View::Volume},
-    {"volume_delete", "VOLUME_ID",
+    {"volume_delete", "VOLUME_ID [--no-wait]",
      [](const std::vector<std::string>& args) {
        return Json{{"volume_id", get(parse(args, {}, {"volume_id"}), "volume_id")}};
      },
@@ -338,6 +397,12 @@ int run(int argc, char** argv) {
   // collect_unrecognized with include_positional returns the command too: drop it.
   if (!rest.empty() && rest.front() == vm["command"].as<std::string>()) rest.erase(rest.begin());
 
+  // volume-delete and volume-create --from-image wait for their job unless --no-wait.
+  bool follow = command == "volume_delete" || command == "volume_create";
+  if (auto it = std::find(rest.begin(), rest.end(), "--no-wait"); follow && it != rest.end()) {
+    rest.erase(it);
+    follow = false;
+  }
   std::string method;
   Json params;
   Command::View view = Command::View::Raw;
@@ -385,10 +450,16 @@ int run(int argc, char** argv) {
               << escaped(error.message) << "\n";
     return 1;
   }
-  const Json& result = outcome.result;
+  Json result = outcome.result;
+  int status = 0;
+  if (follow && result.is_object() &&
+      (result.value("status", "") == "deleting" || result.value("status", "") == "creating")) {
+    status = follow_job(client, result["id"].get<std::string>(), result);
+    if (method == "volume_delete" && status == 0) view = Command::View::Raw;
+  }
   if (vm["json"].as<bool>()) {
     std::cout << ascii_json(result, 2) << "\n";
-    return 0;
+    return status;
   }
   switch (view) {
     case Command::View::Volumes:
@@ -405,7 +476,7 @@ int run(int argc, char** argv) {
       std::cout << ascii_json(result, 2) << "\n";
       break;
   }
-  return 0;
+  return status;
 }
 
 }  // namespace

@@ -146,6 +146,8 @@ int run(int argc, char** argv) {
     ("store", po::value<std::string>()->default_value("file"), "volume store: file, or lvm:VG")
     ("lvm-config", po::value<std::string>()->default_value(""),
      "extra lvm2 --config text for the LVM store (e.g. a devices filter)")
+    ("preallocate", po::bool_switch(),
+     "file store: reserve every volume's blocks at create (default: sparse files)")
     ("allow_multiattach", po::value<bool>()->default_value(true),
      "policy: volumes may be multiattach")
     ("allow_multiattach_bootable", po::value<bool>()->default_value(true),
@@ -324,7 +326,8 @@ int run(int argc, char** argv) {
     for (auto& path : options.listen_unix) path = fs::absolute(path).lexically_normal().string();
     lvm::StoreError store_error;
     store = lvm::make_store(vm["store"].as<std::string>(), state.string(),
-                            vm["lvm-config"].as<std::string>(), store_error);
+                            vm["lvm-config"].as<std::string>(), vm["preallocate"].as<bool>(),
+                            store_error);
     if (!store) {
       std::cerr << "shareblkd: " << store_error.message << "\n";
       return 1;

@@ -340,7 +340,7 @@ TEST_F(LvmStoreOnAFile, RemoveZeroesEveryExtentThenRemovesTheLogicalVolume) {
   auto store = make_store();
   answer_layout("a1");
   lvm_.answer("lvremove", ok());
-  EXPECT_FALSE(store->remove("a1"));
+  EXPECT_FALSE(store->remove("a1", {}));
   EXPECT_EQ(
       lvm_.take_calls(),
       (std::vector<Argv>{lvs_segments_call("a1"), kPvsCall, {"lvremove", "-y", "vg0/volume-a1"}}));
@@ -358,7 +358,7 @@ TEST_F(LvmStoreOnAFile, RemoveZeroesEveryExtentThenRemovesTheLogicalVolume) {
 TEST_F(LvmStoreUnit, RemoveOfAVolumeAlreadyGoneIsANoOp) {
   auto store = make_store();
   lvm_.answer("lvs", fails("Failed to find logical volume \"vg0/volume-a1\""));
-  StoreError e = store->remove("a1");
+  StoreError e = store->remove("a1", {});
   EXPECT_FALSE(e) << e.message;
   EXPECT_EQ(lvm_.take_calls(), std::vector<Argv>{lvs_segments_call("a1")});
 }
@@ -372,7 +372,7 @@ TEST_F(LvmStoreUnit, RemoveReportsALvremoveFailure) {
                                    {{"linear", "0", std::to_string(kExtent), pv + ":0-0"}})));
   lvm_.answer("pvs", ok(pv_report(pv)));
   lvm_.answer("lvremove", fails("Logical volume vg0/volume-a1 in use."));
-  StoreError e = store->remove("a1");
+  StoreError e = store->remove("a1", {});
   EXPECT_EQ(e.code.value(), EIO);
   EXPECT_NE(e.message.find("in use"), std::string::npos) << e.message;
 }
