@@ -309,6 +309,34 @@ TEST_F(LvmStore, DeleteZeroesInTheBackgroundWhileOtherVolumesGoOn) {
   }
 }
 
+// A volume filled from an image by qemu-img, straight onto the physical volume where lvm2 put
+// the LV (no device-mapper here), read back through NBD.
+TEST_F(LvmStore, VolumeFilledFromAnImageHoldsItsBytesOnTheMappedExtents) {
+  SHAREBLK_REQUIRE(have_program("qemu-img"), "qemu-img is not installed");
+  const std::string data = pattern(6 * kMiB, 17);
+  const std::string raw = dir_ / "image.raw";
+  const std::string qcow2 = dir_ / "image.qcow2";
+  { std::ofstream(raw, std::ios::binary) << data; }
+  RunResult made = run({"qemu-img", "convert", "-f", "raw", "-O", "qcow2", raw, qcow2});
+  ASSERT_EQ(made.status, 0) << made.output;
+  create("before", "4M");  // so that the new LV does not start at the first extent
+  Json v =
+      rpc_ok(socket(), "volume_create", {{"name", "img"}, {"size", "8M"}, {"from_image", qcow2}});
+  const std::string id = v["id"];
+  for (int i = 0; i < 3000 && v["status"] == "creating"; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    v = rpc_ok(socket(), "volume_show", {{"volume_id", id}});
+  }
+  ASSERT_EQ(v["status"], "available") << v;
+  EXPECT_TRUE(physical_bytes(id, 0, data.size()) == data);
+  NbdHandle rw(attach(id, "host", "rw"));
+  ASSERT_TRUE(rw.ok) << nbd_get_error();
+  std::string back(8 * kMiB, 'x');
+  ASSERT_EQ(nbd_pread(rw.h, back.data(), back.size(), 0, 0), 0);
+  EXPECT_TRUE(back.substr(0, data.size()) == data);
+  EXPECT_EQ(back.substr(data.size()), std::string(2 * kMiB, '\0'));
+}
+
 // kill -9 in the middle of the zeroing (after the first piece): the LV is half zeroed and
 // still there; the next start finishes the delete by itself.
 TEST_F(LvmStore, DeleteKilledMidZeroingIsFinishedByTheNextStart) {
