@@ -81,8 +81,12 @@ void print_table(const std::vector<std::string>& headers,
 void print_volumes(const Json& volumes) {
   std::vector<std::vector<std::string>> rows;
   for (const Json& v : volumes) {
-    rows.push_back({text(v["id"]), text(v["name"]), human_size(v["size"].get<uint64_t>()),
-                    text(v["status"]), text(v["multiattach"]), text(v["bootable"]),
+    std::string status = text(v["status"]);  // "deleting 42%" while a job runs
+    if (v.contains("progress") && v["progress"].is_number()) {
+      status += " " + std::to_string(v["progress"].get<int>()) + "%";
+    }
+    rows.push_back({text(v["id"]), text(v["name"]), human_size(v["size"].get<uint64_t>()), status,
+                    text(v["multiattach"]), text(v["bootable"]),
                     std::to_string(v["attachments"].size())});
   }
   print_table({"ID", "NAME", "SIZE", "STATUS", "MULTIATTACH", "BOOTABLE", "ATTACHMENTS"}, rows);

@@ -176,7 +176,10 @@ void Service::finish_intents() {
     if (i.action == IntentAction::Delete) {
       spdlog::info("control: the volume_delete of volume {} was interrupted; it is being finished",
                    i.volume_id);
-      start_delete(i.volume_id);
+      try {
+        start_delete(i.volume_id);
+      } catch (const std::exception&) {  // logged, and its status is error
+      }
       continue;
     }
     try {

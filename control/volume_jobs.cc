@@ -14,21 +14,26 @@ bool VolumeJobs::start(const std::string& volume_id, Kind kind, Work work) {
   if (stopping_ || jobs_.count(volume_id) != 0) return false;
   Job& job = jobs_[volume_id];
   job.kind = kind;
-  job.thread = std::thread([this, volume_id, work = std::move(work)] {
-    const lvm::Progress progress = [this, &volume_id](uint64_t done, uint64_t total) {
+  try {
+    job.thread = std::thread([this, volume_id, work = std::move(work)] {
+      const lvm::Progress progress = [this, &volume_id](uint64_t done, uint64_t total) {
+        std::lock_guard inner(mutex_);
+        Job& j = jobs_.at(volume_id);
+        j.done = done;
+        j.total = total;
+        return !stopping_;
+      };
+      std::optional<ApiError> failure = work(progress);
       std::lock_guard inner(mutex_);
       Job& j = jobs_.at(volume_id);
-      j.done = done;
-      j.total = total;
-      return !stopping_;
-    };
-    std::optional<ApiError> failure = work(progress);
-    std::lock_guard inner(mutex_);
-    Job& j = jobs_.at(volume_id);
-    j.failure = std::move(failure);
-    j.finished = true;
-    changed_.notify_all();
-  });
+      j.failure = std::move(failure);
+      j.finished = true;
+      changed_.notify_all();
+    });
+  } catch (...) {  // no thread (a pids limit): no job either
+    jobs_.erase(volume_id);
+    throw;
+  }
   return true;
 }
 

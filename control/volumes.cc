@@ -2,6 +2,7 @@
 #include <spdlog/spdlog.h>
 
 #include <map>
+#include <system_error>
 
 #include "control/service.h"
 
@@ -76,17 +77,25 @@ Json Service::volume_create(const VolumeSpec& spec) {
     tx.commit();
     spdlog::info("control: created volume {} ({}, {} bytes{})", v.id, printable(v.name), v.size,
                  spec.from_image.empty() ? "" : ", filling from " + printable(spec.from_image));
-    if (!spec.from_image.empty()) {
-      jobs_.start(v.id, VolumeJobs::Kind::Fill,
-                  [this, v, path = spec.from_image, image](const lvm::Progress& progress) {
-                    return fill(v, path, image, progress);
-                  });
-    }
-    return out;
+    if (spec.from_image.empty()) return out;
   } catch (...) {
     roll_back();
     throw;
   }
+  try {
+    jobs_.start(v.id, VolumeJobs::Kind::Fill,
+                [this, v, path = spec.from_image, image](const lvm::Progress& progress) {
+                  return fill(v, path, image, progress);
+                });
+  } catch (const std::exception& e) {  // no thread for it: the volume shows error, to delete
+    spdlog::error("control: cannot start filling volume {}: {}", v.id, e.what());
+    Database::Transaction tx(db_);
+    tx.put_intent(
+        {v.id, IntentAction::Create, std::string("cannot start: ") + e.what(), v.created_at});
+    tx.commit();
+  }
+  Database::Transaction tx(db_);
+  return volume_json(tx, v);
 }
 
 // A fill that fails keeps the intent with its error: the volume shows status error, to be
@@ -187,8 +196,16 @@ Json Service::volume_delete(const std::string& id, bool wait) {
 }
 
 void Service::start_delete(const std::string& id) {
-  jobs_.start(id, VolumeJobs::Kind::Delete,
-              [this, id](const lvm::Progress& progress) { return finish_delete(id, progress); });
+  try {
+    jobs_.start(id, VolumeJobs::Kind::Delete,
+                [this, id](const lvm::Progress& progress) { return finish_delete(id, progress); });
+  } catch (const std::system_error& e) {  // no thread for it: status error, to delete again
+    spdlog::error("control: cannot start deleting volume {}: {}", id, e.what());
+    Database::Transaction tx(db_);
+    tx.put_intent({id, IntentAction::Delete, std::string("cannot start: ") + e.what(), now_iso()});
+    tx.commit();
+    throw ApiError("internal", std::string("cannot start the delete: ") + e.what());
+  }
 }
 
 std::optional<ApiError> Service::finish_delete(const std::string& id,
