@@ -62,23 +62,39 @@ Json attachment_id_only(const std::vector<std::string>& args) {
 // VOLUME and ATTACHMENT arguments take an id, a unique prefix of one, or (a volume) its name.
 const Command kCommands[] = {
     {"volume-create", "volume_create",
-     "NAME SIZE [--multiattach] [--bootable] [--writer-policy multi|single]",
-     "Creates a volume of SIZE (bytes, or with a K/M/G/T suffix in powers of 1024).\n"
+     "NAME SIZE [--multiattach] [--bootable] [--writer-policy multi|single] | NAME [SIZE] "
+     "--from-image FILE [--no-wait]",
+     "Creates a volume of SIZE (bytes, or with a K/M/G/T suffix in powers of 1024), or one\n"
+     "filled from a raw or qcow2 image on the daemon's host (at least the image's virtual size;\n"
+     "a progress bar until it is filled, unless --no-wait).\n"
      "  --multiattach          several live attachments at once\n"
      "  --bootable             marks it bootable (the policy may forbid sharing it)\n"
      "  --writer-policy single at most one attachment writes at a time (volume-takeover)\n"
      "examples:\n"
      "  shareblk volume-create data 10G --multiattach\n"
-     "  shareblk volume-create quorum 64M --multiattach --writer-policy single",
+     "  shareblk volume-create quorum 64M --multiattach --writer-policy single\n"
+     "  shareblk volume-create debian --from-image /srv/images/debian-12.qcow2",
      [](const std::vector<std::string>& args) {
        po::options_description d;
        d.add_options()("multiattach", po::bool_switch())("bootable", po::bool_switch())(
-           "writer-policy", po::value<std::string>());
-       auto vm = parse(args, d, {"name", "size"});
+           "writer-policy", po::value<std::string>())("from-image", po::value<std::string>());
+       po::positional_options_description pos;
+       d.add_options()("name", po::value<std::string>()->required(), "")(
+           "size", po::value<std::string>(), "");
+       pos.add("name", 1).add("size", 1);
+       po::variables_map vm;
+       po::store(po::command_line_parser(args).options(d).positional(pos).run(), vm);
+       po::notify(vm);
        Json p{{"name", get(vm, "name")},
-              {"size", size_value(get(vm, "size"))},
               {"multiattach", vm["multiattach"].as<bool>()},
               {"bootable", vm["bootable"].as<bool>()}};
+       if (vm.count("size")) p["size"] = size_value(get(vm, "size"));
+       if (vm.count("from-image")) {
+         // A path on the daemon's host: made absolute here, where the caller's directory is.
+         p["from_image"] = std::filesystem::absolute(get(vm, "from-image")).string();
+       } else if (!vm.count("size")) {
+         throw UsageError("volume-create needs SIZE, or --from-image");
+       }
        if (vm.count("writer-policy")) p["writer_policy"] = get(vm, "writer-policy");
        return p;
      },
@@ -94,9 +110,11 @@ const Command kCommands[] = {
      "Shows a volume and its attachments.\nexamples:\n  shareblk volume-show data\n"
      "  shareblk volume-show 3f2a",
      volume_id_only, View::Volume},
-    {"volume-delete", "volume_delete", "VOLUME",
-     "Deletes a volume that has no live attachment, and its data.\nexample:\n"
-     "  shareblk volume-delete data",
+    {"volume-delete", "volume_delete", "VOLUME [--no-wait]",
+     "Deletes a volume that has no live attachment, and its data. The daemon deletes (and on\n"
+     "LVM zeroes) in the background; this shows a progress bar until it is done, unless\n"
+     "--no-wait.\nexamples:\n"
+     "  shareblk volume-delete data\n  shareblk volume-delete 3f2a --no-wait",
      volume_id_only, View::Raw},
     {"volume-extend", "volume_extend", "VOLUME SIZE",
      "Grows a volume to SIZE; connected clients see the new size when they reconnect.\n"

@@ -67,6 +67,8 @@ po::options_description daemon_options() {
     ("store", po::value<std::string>()->default_value("file"), "volume store: file, or lvm:VG")
     ("lvm-config", po::value<std::string>()->default_value(""),
      "extra lvm2 --config text for the LVM store (e.g. a devices filter)")
+    ("preallocate", po::bool_switch(),
+     "file store: reserve every volume's blocks at create (default: sparse files)")
     ("allow-multiattach", po::value<bool>()->default_value(true),
      "policy: volumes may be multiattach (reloaded on SIGHUP)")
     ("allow-multiattach-bootable", po::value<bool>()->default_value(true),

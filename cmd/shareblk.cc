@@ -1,12 +1,17 @@
 // shareblk: the command-line client of the control socket. One subcommand per API method;
 // tables for people, --json for scripts. Exit status: 0 ok, 1 the daemon refused (the reason
 // is printed), 2 bad usage, 3 the daemon could not be reached.
+#include <unistd.h>
+
 #include <boost/program_options.hpp>
+#include <chrono>
 #include <cstdlib>
+#include <filesystem>
 #include <iomanip>
 #include <iostream>
 #include <nlohmann/json.hpp>
 #include <sstream>
+#include <thread>
 
 #include "cmd/cli_commands.h"
 #include "rpc/client.h"
@@ -74,8 +79,12 @@ void print_table(const std::vector<std::string>& headers,
 void print_volumes(const Json& volumes) {
   std::vector<std::vector<std::string>> rows;
   for (const Json& v : volumes) {
-    rows.push_back({text(v["id"]), text(v["name"]), human_size(v["size"].get<uint64_t>()),
-                    text(v["status"]), text(v["multiattach"]), text(v["bootable"]),
+    std::string status = text(v["status"]);  // "deleting 42%" while a job runs
+    if (v.contains("progress") && v["progress"].is_number()) {
+      status += " " + std::to_string(v["progress"].get<int>()) + "%";
+    }
+    rows.push_back({text(v["id"]), text(v["name"]), human_size(v["size"].get<uint64_t>()), status,
+                    text(v["multiattach"]), text(v["bootable"]),
                     std::to_string(v["attachments"].size())});
   }
   print_table({"ID", "NAME", "SIZE", "STATUS", "MULTIATTACH", "BOOTABLE", "ATTACHMENTS"}, rows);
@@ -104,6 +113,47 @@ void print_object(const Json& object) {
   if (object.contains("attachments") && !object["attachments"].empty()) {
     std::cout << "\n";
     print_attachments(object["attachments"]);
+  }
+}
+
+// volume-delete and volume-create --from-image start a job on the daemon and return; this
+// follows it (volume_show, five times a second) with a progress bar on a terminal's stderr,
+// until the volume is gone (a delete) or no longer "creating". Returns the exit status and sets
+// `result` to what to print.
+int follow_job(shareblk::rpc::Client& client, const std::string& volume_id, Json& result) {
+  const bool bar = ::isatty(2) != 0;
+  int last = -1;
+  for (;;) {
+    const shareblk::rpc::Outcome shown = client.call("volume_show", {{"volume_id", volume_id}});
+    if (shown.error && shown.error->reason == "not_found") {
+      if (bar && last >= 0) std::cerr << "\n";
+      result = Json{{"id", volume_id}, {"deleted", true}};
+      return 0;
+    }
+    if (shown.error) {
+      if (bar && last >= 0) std::cerr << "\n";
+      std::cerr << "shareblk: volume_show failed: " << escaped(shown.error->message) << "\n";
+      return shown.error->link ? 3 : 1;
+    }
+    const Json& v = shown.result;
+    const std::string status = v["status"].get<std::string>();
+    if (status != "deleting" && status != "creating") {
+      if (bar && last >= 0) std::cerr << "\n";
+      result = v;
+      if (status != "error") return 0;
+      std::cerr << "shareblk: volume " << escaped(volume_id)
+                << " is in error: " << text(v["status_reason"]) << "\n";
+      return 1;
+    }
+    const int percent = v["progress"].is_number() ? v["progress"].get<int>() : 0;
+    if (bar && percent != last) {
+      const int filled = percent / 5;
+      std::cerr << "\r" << status << " [" << std::string(filled, '#')
+                << std::string(20 - filled, ' ') << "] " << std::setw(3) << percent << "%"
+                << std::flush;
+      last = percent;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
   }
 }
 
@@ -236,6 +286,13 @@ int run(int argc, char** argv) {
     return 0;
   }
 
+  // volume-delete and volume-create --from-image wait for their job unless --no-wait.
+  bool follow = command == "volume-delete" || command == "volume-create";
+  if (auto it = std::find(rest.begin(), rest.end(), "--no-wait"); follow && it != rest.end()) {
+    rest.erase(it);
+    follow = false;
+  }
+
   std::string method;
   Json params;
   cli::View view = cli::View::Raw;
@@ -298,10 +355,16 @@ int run(int argc, char** argv) {
               << escaped(error.message) << "\n";
     return 1;
   }
-  const Json& result = outcome.result;
+  Json result = outcome.result;
+  int status = 0;
+  if (follow && result.is_object() &&
+      (result.value("status", "") == "deleting" || result.value("status", "") == "creating")) {
+    status = follow_job(client, result["id"].get<std::string>(), result);
+    if (method == "volume_delete" && status == 0) view = cli::View::Raw;
+  }
   if (vm["json"].as<bool>()) {
     std::cout << ascii_json(result, 2) << "\n";
-    return 0;
+    return status;
   }
   switch (view) {
     case cli::View::Volumes:
@@ -318,7 +381,7 @@ int run(int argc, char** argv) {
       std::cout << ascii_json(result, 2) << "\n";
       break;
   }
-  return 0;
+  return status;
 }
 
 }  // namespace

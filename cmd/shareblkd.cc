@@ -362,7 +362,8 @@ int run(int argc, char** argv) {
     for (auto& path : options.listen_unix) path = fs::absolute(path).lexically_normal().string();
     lvm::StoreError store_error;
     store = lvm::make_store(vm["store"].as<std::string>(), state.string(),
-                            vm["lvm-config"].as<std::string>(), store_error);
+                            vm["lvm-config"].as<std::string>(), vm["preallocate"].as<bool>(),
+                            store_error);
     if (!store) {
       std::cerr << "shareblkd: " << store_error.message << "\n";
       return 1;

@@ -272,6 +272,7 @@ int code_for(const std::string& reason) {
       {"volume_error", -32009},
       {"not_single_writer", -32010},
       {"already_writer", -32011},
+      {"volume_busy", -32012},
   };
   for (const auto& [name, code] : kCodes) {
     if (reason == name) return code;

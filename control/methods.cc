@@ -9,7 +9,9 @@ namespace {
 Json volume_create(Service& s, const Json& p, const Caller&) {
   VolumeSpec spec;
   spec.name = need_string(p, "name", kMaxVolumeName);
-  spec.size = need_size(p, "size");
+  spec.from_image = opt_string(p, "from_image", 4096).value_or("");
+  // With an image, the size may be left to it.
+  spec.size = spec.from_image.empty() || p.contains("size") ? need_size(p, "size") : 0;
   spec.multiattach = opt_bool(p, "multiattach").value_or(false);
   spec.bootable = opt_bool(p, "bootable").value_or(false);
   spec.writer_policy = opt_writer_policy(p, "writer_policy").value_or(WriterPolicy::Multi);
@@ -25,7 +27,7 @@ Json volume_show(Service& s, const Json& p, const Caller&) {
 }
 
 Json volume_delete(Service& s, const Json& p, const Caller&) {
-  return s.volume_delete(need_string(p, "volume_id"));
+  return s.volume_delete(need_string(p, "volume_id"), opt_bool(p, "wait").value_or(false));
 }
 
 Json volume_extend(Service& s, const Json& p, const Caller&) {
@@ -97,8 +99,9 @@ Json export_resolve(Service& s, const Json& p, const Caller& caller) {
 }
 
 // The params each method accepts; any other key is invalid_params.
-constexpr std::string_view kVolumeCreate[] = {"name", "size", "multiattach", "bootable",
-                                              "writer_policy"};
+constexpr std::string_view kVolumeCreate[] = {"name",     "size",          "multiattach",
+                                              "bootable", "writer_policy", "from_image"};
+constexpr std::string_view kVolumeDelete[] = {"volume_id", "wait"};
 constexpr std::string_view kVolumeId[] = {"volume_id"};
 constexpr std::string_view kVolumeUpdate[] = {"volume_id", "name", "multiattach", "bootable",
                                               "writer_policy"};
@@ -118,7 +121,7 @@ constexpr std::array kMethods = {
     Method{"volume_show", kVolumeId, volume_show},
     Method{"volume_update", kVolumeUpdate, volume_update},
     Method{"volume_extend", kVolumeExtend, volume_extend},
-    Method{"volume_delete", kVolumeId, volume_delete},
+    Method{"volume_delete", kVolumeDelete, volume_delete},
     Method{"volume_detach", kVolumeDetach, volume_detach},
     Method{"volume_takeover", kVolumeTakeover, volume_takeover},
     Method{"attachment_create", kAttachmentCreate, attachment_create},

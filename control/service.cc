@@ -11,6 +11,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <ctime>
+#include <thread>
 
 #include "control/admission.h"
 
@@ -65,6 +66,11 @@ void crash_point(const char* point) {
   spdlog::warn("test: SHAREBLK_TEST_KILL_AT={}: the daemon kills itself here", point);
   spdlog::default_logger()->flush();
   ::kill(::getpid(), SIGKILL);
+}
+
+void test_pause() {
+  static const char* const ms = std::getenv("SHAREBLK_TEST_JOB_PAUSE_MS");
+  if (ms != nullptr) std::this_thread::sleep_for(std::chrono::milliseconds(std::atoi(ms)));
 }
 
 Service::Service(const std::string& db_path, lvm::VolumeStore& store, Policy policy)
@@ -186,10 +192,11 @@ void Service::reconcile() {
 }
 
 // A create or delete that a crash interrupted: a create is rolled back (its caller never
-// learnt the volume's id, and its backing may be half made), a delete is finished (its caller
-// asked for it, and its backing may be half gone). Both remove the backing, which is harmless
-// when it is already gone. One that cannot be finished now is kept for the next start; a
-// delete's volume shows status error meanwhile.
+// learnt the volume's id, and its backing may be half made; or it was being filled from an
+// image, which cannot be trusted half done), a delete is finished (its caller asked for it, and
+// its backing may be half gone) on a job's thread, as volume_delete does. Removing backing is
+// harmless when it is already gone. A rollback that cannot be done now is kept for the next
+// start; a delete that fails shows status error.
 void Service::finish_intents() {
   std::vector<IntentRow> intents;
   {
@@ -197,32 +204,30 @@ void Service::finish_intents() {
     intents = tx.intents();
   }
   for (IntentRow& i : intents) {
-    const char* what = i.action == IntentAction::Create ? "volume_create" : "volume_delete";
-    try {
-      {
-        Database::Transaction tx(db_);
-        // The row and the intent's removal are one transaction, so a create's row never
-        // outlives its intent; if one did, the volume is whole and stays.
-        if (i.action == IntentAction::Create && tx.volume(i.volume_id)) {
-          tx.delete_intent(i.volume_id);
-          tx.commit();
-          continue;
-        }
+    if (i.action == IntentAction::Delete) {
+      spdlog::info("control: the volume_delete of volume {} was interrupted; it is being finished",
+                   i.volume_id);
+      try {
+        start_delete(i.volume_id);
+      } catch (const std::exception&) {  // logged, and its status is error
       }
+      continue;
+    }
+    try {
       volumes_.remove(i.volume_id);
       Database::Transaction tx(db_);
-      if (i.action == IntentAction::Delete) tx.delete_volume(i.volume_id);
+      tx.delete_volume(i.volume_id);  // a fill's row, if any
       tx.delete_intent(i.volume_id);
       tx.commit();
-      spdlog::info("control: the {} of volume {} was interrupted; {}", what, i.volume_id,
-                   i.action == IntentAction::Create ? "rolled back (its backing is removed)"
-                                                    : "finished (backing and row removed)");
+      spdlog::info(
+          "control: the volume_create of volume {} was interrupted; rolled back (its backing "
+          "is removed)",
+          i.volume_id);
     } catch (const std::exception& e) {
       spdlog::error(
-          "control: the {} of volume {} was interrupted and cannot be {} now ({}); the "
-          "next start tries again",
-          what, i.volume_id, i.action == IntentAction::Create ? "rolled back" : "finished",
-          e.what());
+          "control: the volume_create of volume {} was interrupted and cannot be rolled back "
+          "now ({}); the next start tries again",
+          i.volume_id, e.what());
       try {
         Database::Transaction tx(db_);
         i.error = e.what();
@@ -236,17 +241,28 @@ void Service::finish_intents() {
 
 std::optional<std::string> Service::error_of(const std::optional<IntentRow>& intent,
                                              const std::string& volume_id) {
-  if (intent && intent->action == IntentAction::Delete) {
-    std::string why = "a volume_delete began and has not finished";
-    if (!intent->error.empty()) why += " (" + intent->error + ")";
-    return why + "; delete it again";
+  if (intent && !intent->error.empty() && !jobs_.state(volume_id)) {
+    if (intent->action == IntentAction::Delete) {
+      return "a volume_delete of it failed (" + intent->error + "); delete it again";
+    }
+    return "filling it from an image failed (" + intent->error + "); delete it";
   }
+  if (intent) return std::nullopt;  // being deleted or filled
   return volumes_.missing(volume_id);
 }
 
 void Service::refuse_unusable(Database::Transaction& tx, const VolumeRow& v) {
+  const std::optional<IntentRow> intent = tx.intent(v.id);
   std::optional<std::string> why;
-  if (auto i = tx.intent(v.id); i && i->action == IntentAction::Delete) why = error_of(i, v.id);
+  if (intent) {
+    why = error_of(intent, v.id);
+    if (!why) {
+      throw ApiError(
+          "volume_busy",
+          "volume " + v.id + " cannot be attached: it is being " +
+              (intent->action == IntentAction::Delete ? "deleted" : "filled from an image"));
+    }
+  }
   if (!why) why = volumes_.check(v.id, v.size);  // afresh in the store
   if (why) throw ApiError("volume_error", "volume " + v.id + " cannot be attached: " + *why);
 }

@@ -23,6 +23,7 @@
 #include "control/params.h"
 #include "control/psk_keys.h"
 #include "control/revocation_journal.h"
+#include "control/volume_jobs.h"
 #include "control/volume_registry.h"
 
 namespace shareblk::control {
@@ -33,6 +34,7 @@ struct VolumeSpec {
   bool multiattach = false;
   bool bootable = false;
   WriterPolicy writer_policy = WriterPolicy::Multi;
+  std::string from_image;  // an image on the daemon's host to fill it from; "" for none
 };
 
 // Decoded by volume_update itself, once the volume is found, in the order name, multiattach,
@@ -63,7 +65,8 @@ class Service {
   Json volume_create(const VolumeSpec& spec);
   Json volume_list();
   Json volume_show(const std::string& id);
-  Json volume_delete(const std::string& id);
+  // Starts the delete and returns at once (status "deleting"), or with `wait` once it is done.
+  Json volume_delete(const std::string& id, bool wait);
   Json volume_extend(const std::string& id, uint64_t size);
   Json volume_update(const VolumeChange& change);
   Json volume_detach(const std::string& volume_id, std::optional<std::string> attachment_id);
@@ -128,13 +131,22 @@ class Service {
   // At start: the gates of the live attachments, from the database, and no writer that is
   // not a live attachment.
   void load_write_access(Database::Transaction& tx);
+  // volumes.cc: the long parts of a delete and of a create from an image, run by jobs_.
+  void start_delete(const std::string& id);
+  std::optional<ApiError> finish_delete(const std::string& id, const lvm::Progress& progress);
+  std::optional<ApiError> fill(const VolumeRow& v, const std::string& image,
+                               const lvm::ImageInfo& info, const lvm::Progress& progress);
+  // Refuses (volume_busy) a change to a volume that a delete or a fill is under way on.
+  void refuse_busy(Database::Transaction& tx, const VolumeRow& v, const char* what);
   // service.cc
   void reconcile();
   void finish_intents();
-  // Refuses (volume_error) to attach a volume whose status is error: a delete of it has not
-  // finished, or its backing is missing (looked for afresh in the store).
+  // Refuses to attach a volume that is being deleted or filled (volume_busy), or whose
+  // status is error (volume_error): a delete or fill of it failed, or its backing is missing
+  // (looked for afresh in the store).
   void refuse_unusable(Database::Transaction& tx, const VolumeRow& v);
-  // Why the volume's status is error, or nullopt; `intent` is the volume's, if it has one.
+  // Why the volume's status is error, or nullopt; `intent` is the volume's, if it has one. A
+  // volume with an intent and no error is being deleted or created (filled from an image).
   std::optional<std::string> error_of(const std::optional<IntentRow>& intent,
                                       const std::string& volume_id);
   void remount(const AttachmentRow& a, const VolumeRow& v);
@@ -163,6 +175,8 @@ class Service {
   std::filesystem::path state_dir_;
   std::atomic<uint64_t> refused_unknown_{0};
   std::atomic<uint64_t> refused_by_binding_{0};
+  // Last: its threads use the members above, and its destructor stops and joins them first.
+  VolumeJobs jobs_;
 };
 
 // Whether the attachment may write, as the database says: live, read-write, and the volume's
@@ -184,5 +198,9 @@ std::string volume_status(const std::vector<AttachmentRow>& attachments);
 // SHAREBLK_TEST_KILL_AT names `point`, the daemon kills itself there with SIGKILL, as a
 // kill -9 at that moment would.
 void crash_point(const char* point);
+// For the tests of long operations only: when SHAREBLK_TEST_JOB_PAUSE_MS is set, a delete's
+// zeroing and a fill wait that many milliseconds at each report of progress, so that a test can
+// act (and kill the daemon) while one runs.
+void test_pause();
 
 }  // namespace shareblk::control

@@ -79,15 +79,24 @@ Json Service::volume_json(Database::Transaction& tx, const VolumeRow& v,
   for (const auto& a : all) {
     if (is_live(a.attach_status)) attachments.push_back(attachment_json(a, v));
   }
-  // A volume that cannot be attached says so, whatever its attachments' states.
+  // A volume that cannot be attached says so, whatever its attachments' states: it is being
+  // deleted or filled (with how far that has come), or its status is error.
   const std::optional<std::string> error = error_of(intent, v.id);
+  std::string status = error ? "error" : volume_status(all);
+  Json progress = nullptr;
+  if (!error && intent) {
+    status = intent->action == IntentAction::Delete ? "deleting" : "creating";
+    const std::optional<VolumeJobs::State> job = jobs_.state(v.id);
+    progress = job ? job->percent : 0;
+  }
   return Json{{"id", v.id},
               {"name", v.name},
               {"size", v.size},
               {"multiattach", v.multiattach},
               {"bootable", v.bootable},
-              {"status", error ? "error" : volume_status(all)},
+              {"status", status},
               {"status_reason", error ? Json(*error) : Json(nullptr)},
+              {"progress", progress},
               {"created_at", v.created_at},
               {"writer_policy", to_string(v.writer_policy)},
               {"writer", v.writer.empty() ? Json(nullptr) : Json(v.writer)},

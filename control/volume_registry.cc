@@ -75,16 +75,25 @@ void VolumeRegistry::refresh(const std::string& id, uint64_t size) {
   }
 }
 
-void VolumeRegistry::remove(const std::string& id) {
+void VolumeRegistry::remove(const std::string& id, const lvm::Progress& progress) {
   {
     std::lock_guard lock(open_mutex_);
     open_.erase(id);
   }
   // Already gone is removed: a delete that a crash interrupted is finished so, and so is a
   // volume whose backing went missing.
-  if (lvm::StoreError e = store_.remove(id); e && !is_missing(e)) throw store_error(e);
+  if (lvm::StoreError e = store_.remove(id, progress); e && !is_missing(e)) throw store_error(e);
   std::lock_guard lock(missing_mutex_);
   missing_.erase(id);
+}
+
+void VolumeRegistry::fill(const std::string& id, uint64_t size, const std::string& image,
+                          const lvm::ImageInfo& info, const lvm::Progress& progress) {
+  std::shared_ptr<backend::Volume> volume;  // its own: no connection has it while it fills
+  if (lvm::StoreError e = store_.open(id, size, volume)) throw store_error(e);
+  if (lvm::StoreError e = lvm::fill_from_image(*volume, image, info, progress)) {
+    throw store_error(e);
+  }
 }
 
 std::shared_ptr<backend::Volume> VolumeRegistry::open(const std::string& id, uint64_t size) {

@@ -45,8 +45,13 @@ class VolumeRegistry {
   // only then, so that a volume opened meanwhile (from the old size in the database) is
   // refreshed too; one that cannot be is dropped, and reopened by the next user.
   void refresh(const std::string& id, uint64_t size);
-  // Forgets the open volume first. Backing that is already gone counts as removed.
-  void remove(const std::string& id);
+  // Forgets the open volume first. Backing that is already gone counts as removed. May take
+  // long (lvm::VolumeStore::remove), telling `progress`.
+  void remove(const std::string& id, const lvm::Progress& progress = {});
+
+  // Writes an image into a new volume's backing (lvm::fill_from_image), telling `progress`.
+  void fill(const std::string& id, uint64_t size, const std::string& image,
+            const lvm::ImageInfo& info, const lvm::Progress& progress);
 
   // The open volume, opened on first use; nullptr (logged) when the store cannot open it.
   std::shared_ptr<backend::Volume> open(const std::string& id, uint64_t size);

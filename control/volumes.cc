@@ -2,19 +2,47 @@
 #include <spdlog/spdlog.h>
 
 #include <map>
+#include <system_error>
 
 #include "control/service.h"
 
 namespace shareblk::control {
 
+namespace {
+
+// What `qemu-img info` says of a volume_create's `from_image`; throws ApiError.
+lvm::ImageInfo inspect(const std::string& path) {
+  if (path.empty() || path[0] != '/') invalid("from_image must be an absolute path: " + path);
+  lvm::ImageInfo info;
+  if (lvm::StoreError e = lvm::inspect_image(path, info)) {
+    if (e.code.value() == ENOSYS || e.code.value() == EIO) throw ApiError("internal", e.message);
+    invalid("from_image: " + e.message);
+  }
+  return info;
+}
+
+}  // namespace
+
 // An intent is recorded before the store is touched and removed in the transaction that adds
 // the row, so that a crash at any point leaves either a whole volume or an intent that the next
-// start rolls back (docs/state.md, "Creates and deletes").
+// start rolls back (docs/state.md, "Creates and deletes"). A volume filled from an image gets
+// its row at once and keeps its intent until the fill is done (status "creating").
 Json Service::volume_create(const VolumeSpec& spec) {
   if (spec.multiattach && !policy().allow_multiattach) {
     throw ApiError("policy_denied", "policy forbids multiattach volumes");
   }
-  VolumeRow v{new_uuid(), spec.name, spec.size, spec.multiattach, spec.bootable, now_iso()};
+  lvm::ImageInfo image;
+  uint64_t size = spec.size;
+  if (!spec.from_image.empty()) {
+    image = inspect(spec.from_image);
+    if (size == 0) size = image.virtual_size;
+    if (size < image.virtual_size) {
+      invalid("size " + std::to_string(size) + " is smaller than the image's " +
+              std::to_string(image.virtual_size) + " bytes");
+    }
+  }
+  if (size == 0) invalid("size is required without from_image");
+  VolumeRow v{new_uuid(), spec.name, size, spec.multiattach, spec.bootable, now_iso()};
   v.writer_policy = spec.writer_policy;
   {
     Database::Transaction tx(db_);
@@ -44,14 +72,67 @@ Json Service::volume_create(const VolumeSpec& spec) {
   try {
     Database::Transaction tx(db_);
     tx.insert_volume(v);
-    tx.delete_intent(v.id);
+    if (spec.from_image.empty()) tx.delete_intent(v.id);
     Json out = volume_json(tx, v);
     tx.commit();
-    spdlog::info("control: created volume {} ({}, {} bytes)", v.id, printable(v.name), v.size);
-    return out;
+    spdlog::info("control: created volume {} ({}, {} bytes{})", v.id, printable(v.name), v.size,
+                 spec.from_image.empty() ? "" : ", filling from " + printable(spec.from_image));
+    if (spec.from_image.empty()) return out;
   } catch (...) {
     roll_back();
     throw;
+  }
+  try {
+    jobs_.start(v.id, VolumeJobs::Kind::Fill,
+                [this, v, path = spec.from_image, image](const lvm::Progress& progress) {
+                  return fill(v, path, image, progress);
+                });
+  } catch (const std::exception& e) {  // no thread for it: the volume shows error, to delete
+    spdlog::error("control: cannot start filling volume {}: {}", v.id, e.what());
+    Database::Transaction tx(db_);
+    tx.put_intent(
+        {v.id, IntentAction::Create, std::string("cannot start: ") + e.what(), v.created_at});
+    tx.commit();
+  }
+  Database::Transaction tx(db_);
+  return volume_json(tx, v);
+}
+
+// A fill that fails keeps the intent with its error: the volume shows status error, to be
+// deleted. One that a stop interrupts is rolled back by the next start, like any create.
+std::optional<ApiError> Service::fill(const VolumeRow& v, const std::string& image,
+                                      const lvm::ImageInfo& info, const lvm::Progress& progress) {
+  const lvm::Progress paced = [&progress](uint64_t done, uint64_t total) {
+    test_pause();
+    return progress(done, total);
+  };
+  try {
+    volumes_.fill(v.id, v.size, image, info, paced);
+    crash_point("volume_create:filled");
+    const VolumeLock lock = volumes_.lock(v.id);
+    Database::Transaction tx(db_);
+    tx.delete_intent(v.id);
+    tx.commit();
+    spdlog::info("control: volume {} filled from {}", v.id, printable(image));
+    return std::nullopt;
+  } catch (const std::exception& e) {
+    if (jobs_.stopping()) {
+      spdlog::warn(
+          "control: filling volume {} stopped with the daemon; the next start rolls it "
+          "back",
+          v.id);
+      return ApiError("internal", "the daemon stopped");
+    }
+    spdlog::error("control: cannot fill volume {} from {}: {}", v.id, printable(image), e.what());
+    try {
+      Database::Transaction tx(db_);
+      tx.put_intent({v.id, IntentAction::Create, e.what(), v.created_at});
+      tx.commit();
+    } catch (const std::exception& db) {
+      spdlog::error("control: volume {}: cannot record why its fill failed: {}", v.id, db.what());
+    }
+    const auto* api = dynamic_cast<const ApiError*>(&e);
+    return api != nullptr ? *api : ApiError("internal", e.what());
   }
 }
 
@@ -75,26 +156,76 @@ Json Service::volume_show(const std::string& id) {
 
 // The intent is recorded with the check for live attachments, under the volume's lock, and
 // removed with the row: a crash at any point leaves the volume whole or an intent that the
-// next start finishes. A store that fails leaves the intent with its error: the volume shows
-// status error (its backing may be half gone) until a delete succeeds.
-Json Service::volume_delete(const std::string& id) {
-  const VolumeLock lock = volumes_.lock(id);
+// next start finishes. The store's part (an LVM volume's zeroing) runs on a job's thread,
+// without the volume's lock: status "deleting" meanwhile. A store that fails leaves the intent
+// with its error: the volume shows status error (its backing may be half gone) until a delete
+// succeeds.
+Json Service::volume_delete(const std::string& id, bool wait) {
   {
+    const VolumeLock lock = volumes_.lock(id);
     Database::Transaction tx(db_);
     find_volume(tx, id);
+    const std::optional<IntentRow> intent = tx.intent(id);
+    const bool running = jobs_.state(id).has_value();
+    if (intent && intent->action == IntentAction::Create && running) {
+      throw ApiError("volume_busy", "volume " + id +
+                                        " is being filled from an image; delete it once that "
+                                        "ends (its status is no longer creating)");
+    }
     for (const auto& a : tx.attachments(id)) {
       if (is_live(a.attach_status)) {
         throw ApiError("volume_in_use", "volume " + id + " has attachment " + a.id + " (" +
                                             std::string(to_string(a.attach_status)) + ")");
       }
     }
-    tx.put_intent({id, IntentAction::Delete, "", now_iso()});
-    tx.commit();
+    if (!running) {  // a retry clears the error of the last attempt
+      tx.put_intent({id, IntentAction::Delete, "", now_iso()});
+      tx.commit();
+    }
   }
   crash_point("volume_delete:intent");
+  start_delete(id);
+  if (!wait) return Json{{"id", id}, {"status", "deleting"}};
+  if (std::optional<ApiError> failure = jobs_.wait(id)) throw *failure;
+  Database::Transaction tx(db_);
+  if (tx.volume(id)) {  // another job's, which we did not see fail
+    throw ApiError("internal", "volume " + id + " is not deleted: " +
+                                   error_of(tx.intent(id), id).value_or("(no reason)"));
+  }
+  return Json{{"id", id}, {"deleted", true}};
+}
+
+void Service::start_delete(const std::string& id) {
   try {
-    volumes_.remove(id);
+    jobs_.start(id, VolumeJobs::Kind::Delete,
+                [this, id](const lvm::Progress& progress) { return finish_delete(id, progress); });
+  } catch (const std::system_error& e) {  // no thread for it: status error, to delete again
+    spdlog::error("control: cannot start deleting volume {}: {}", id, e.what());
+    Database::Transaction tx(db_);
+    tx.put_intent({id, IntentAction::Delete, std::string("cannot start: ") + e.what(), now_iso()});
+    tx.commit();
+    throw ApiError("internal", std::string("cannot start the delete: ") + e.what());
+  }
+}
+
+std::optional<ApiError> Service::finish_delete(const std::string& id,
+                                               const lvm::Progress& progress) {
+  const lvm::Progress paced = [&progress](uint64_t done, uint64_t total) {
+    if (done > 0 && done < total) crash_point("volume_delete:zeroing");
+    test_pause();
+    return progress(done, total);
+  };
+  try {
+    volumes_.remove(id, paced);
   } catch (const ApiError& e) {
+    if (jobs_.stopping()) {
+      spdlog::warn(
+          "control: deleting volume {} stopped with the daemon; the next start "
+          "finishes it",
+          id);
+      return ApiError("internal", "the daemon stopped");
+    }
+    spdlog::error("control: cannot delete volume {}: {}", id, e.what());
     try {
       Database::Transaction tx(db_);
       tx.put_intent({id, IntentAction::Delete, e.what(), now_iso()});
@@ -102,15 +233,29 @@ Json Service::volume_delete(const std::string& id) {
     } catch (const std::exception& db) {  // the intent stays, without the store's words
       spdlog::error("control: volume {}: cannot record why its delete failed: {}", id, db.what());
     }
-    throw;
+    return e;
   }
   crash_point("volume_delete:removed");
-  Database::Transaction tx(db_);
-  tx.delete_volume(id);
-  tx.delete_intent(id);
-  tx.commit();
+  try {
+    const VolumeLock lock = volumes_.lock(id);
+    Database::Transaction tx(db_);
+    tx.delete_volume(id);
+    tx.delete_intent(id);
+    tx.commit();
+  } catch (const std::exception& e) {  // the intent stays: the next start finishes it
+    spdlog::error("control: volume {}: backing removed, but the row stays: {}", id, e.what());
+    return ApiError("internal", e.what());
+  }
   spdlog::info("control: deleted volume {}", id);
-  return Json{{"id", id}, {"deleted", true}};
+  return std::nullopt;
+}
+
+void Service::refuse_busy(Database::Transaction& tx, const VolumeRow& v, const char* what) {
+  const std::optional<IntentRow> intent = tx.intent(v.id);
+  if (!intent || error_of(intent, v.id)) return;
+  throw ApiError("volume_busy",
+                 std::string("volume ") + v.id + " cannot " + what + " while it is being " +
+                     (intent->action == IntentAction::Delete ? "deleted" : "filled from an image"));
 }
 
 Json Service::volume_extend(const std::string& id, uint64_t size) {
@@ -119,6 +264,7 @@ Json Service::volume_extend(const std::string& id, uint64_t size) {
   {
     Database::Transaction tx(db_);
     v = find_volume(tx, id);
+    refuse_busy(tx, v, "grow");
   }
   if (size <= v.size) {
     invalid("a volume only grows: " + std::to_string(size) + " <= " + std::to_string(v.size));
@@ -137,6 +283,7 @@ Json Service::volume_update(const VolumeChange& change) {
   const VolumeLock lock = volumes_.lock(change.id);
   Database::Transaction tx(db_);
   VolumeRow v = find_volume(tx, change.id);
+  refuse_busy(tx, v, "change");
   const Json& p = *change.params;
   if (auto name = opt_string(p, "name")) {
     if (name->empty() || name->size() > kMaxVolumeName) invalid("name must be 1 to 255 bytes");

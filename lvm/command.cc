@@ -7,13 +7,18 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
+#include <cstdint>
 
 extern char** environ;
 
 namespace shareblk::lvm {
 
-CommandResult run_command(const std::vector<std::string>& argv, std::chrono::seconds timeout) {
+namespace {
+
+CommandResult run(const std::vector<std::string>& argv, std::chrono::seconds timeout,
+                  const OutputWatcher& on_out) {
   CommandResult result;
   int out[2];
   int err[2];
@@ -56,12 +61,20 @@ CommandResult run_command(const std::vector<std::string>& argv, std::chrono::sec
       killed = true;
       break;
     }
-    if (::poll(fds, 2, static_cast<int>(left.count())) < 0 && errno != EINTR) break;
+    if (::poll(fds, 2, static_cast<int>(std::min<int64_t>(left.count(), 60000))) < 0 &&
+        errno != EINTR)
+      break;
     for (int i = 0; i < 2; ++i) {
       if (fds[i].fd < 0 || !(fds[i].revents & (POLLIN | POLLHUP | POLLERR))) continue;
       char buf[4096];
       ssize_t n = ::read(fds[i].fd, buf, sizeof buf);
-      if (n > 0) {
+      if (n > 0 && i == 0 && on_out) {
+        if (!on_out(std::string_view(buf, static_cast<size_t>(n)))) {
+          ::kill(pid, SIGKILL);
+          killed = true;
+          break;
+        }
+      } else if (n > 0) {
         sinks[i]->append(buf, static_cast<size_t>(n));
       } else if (n == 0 || errno != EINTR) {
         ::close(fds[i].fd);
@@ -69,6 +82,7 @@ CommandResult run_command(const std::vector<std::string>& argv, std::chrono::sec
         --open_fds;
       }
     }
+    if (killed) break;
   }
   for (auto& f : fds) {
     if (f.fd >= 0) ::close(f.fd);
@@ -76,12 +90,25 @@ CommandResult run_command(const std::vector<std::string>& argv, std::chrono::sec
   int status = 0;
   while (::waitpid(pid, &status, 0) < 0 && errno == EINTR) {
   }
-  if (killed) {
+  if (killed && on_out) {
+    result.err += "\n(stopped)";
+  } else if (killed) {
     result.err += "\n(killed after " + std::to_string(timeout.count()) + " s)";
   } else if (WIFEXITED(status)) {
     result.status = WEXITSTATUS(status);
   }
   return result;
+}
+
+}  // namespace
+
+CommandResult run_command(const std::vector<std::string>& argv, std::chrono::seconds timeout) {
+  return run(argv, timeout, {});
+}
+
+CommandResult run_command_watched(const std::vector<std::string>& argv,
+                                  const OutputWatcher& on_out) {
+  return run(argv, std::chrono::hours(24 * 365), on_out);
 }
 
 }  // namespace shareblk::lvm

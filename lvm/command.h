@@ -4,6 +4,7 @@
 #include <chrono>
 #include <functional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 namespace shareblk::lvm {
@@ -17,6 +18,14 @@ struct CommandResult {
 
 CommandResult run_command(const std::vector<std::string>& argv,
                           std::chrono::seconds timeout = std::chrono::seconds(120));
+
+// Sees what a program writes to its stdout as it comes; returns false to kill the program.
+using OutputWatcher = std::function<bool(std::string_view chunk)>;
+
+// run_command without a timeout, for a program that runs as long as its work takes (qemu-img
+// convert): its stdout goes to `on_out` instead of CommandResult::out.
+CommandResult run_command_watched(const std::vector<std::string>& argv,
+                                  const OutputWatcher& on_out);
 
 // How the LVM store runs lvm2's tools: run_command for the daemon, a fake in the store's unit
 // tests. argv[0] is the tool ("lvcreate", "lvs", ...).

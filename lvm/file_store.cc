@@ -1,4 +1,4 @@
-// The embedded default store: one sparse file per volume.
+// The embedded default store: one file per volume, sparse unless the daemon preallocates.
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -20,7 +20,8 @@ StoreError from_errno(int err, const std::string& what) {
 
 class FileVolumeStore final : public VolumeStore {
  public:
-  explicit FileVolumeStore(fs::path dir) : dir_(std::move(dir)) {}
+  FileVolumeStore(fs::path dir, bool preallocate)
+      : dir_(std::move(dir)), preallocate_(preallocate) {}
 
   std::string kind() const override { return "file"; }
 
@@ -28,12 +29,7 @@ class FileVolumeStore final : public VolumeStore {
     const std::string path = path_of(id);
     int fd = ::open(path.c_str(), O_CREAT | O_EXCL | O_WRONLY | O_CLOEXEC, 0600);
     if (fd < 0) return from_errno(errno, "create " + path);
-    // Reserve the blocks now so that a full disk is a clear error at create time rather than
-    // an EIO in a guest later.
-    int err = ::posix_fallocate(fd, 0, static_cast<off_t>(size));
-    if (err == EOPNOTSUPP || err == EINVAL) {  // no fallocate on this file system: sparse
-      err = ::ftruncate(fd, static_cast<off_t>(size)) == 0 ? 0 : errno;
-    }
+    int err = grow(fd, 0, size);
     if (err == 0 && ::fsync(fd) != 0) err = errno;
     ::close(fd);
     if (err != 0) {
@@ -50,19 +46,18 @@ class FileVolumeStore final : public VolumeStore {
     struct stat st {};
     int err = ::fstat(fd, &st) == 0 ? 0 : errno;
     if (err == 0 && static_cast<uint64_t>(st.st_size) < size) {
-      err = ::posix_fallocate(fd, st.st_size, static_cast<off_t>(size) - st.st_size);
-      if (err == EOPNOTSUPP || err == EINVAL) {
-        err = ::ftruncate(fd, static_cast<off_t>(size)) == 0 ? 0 : errno;
-      }
+      err = grow(fd, static_cast<uint64_t>(st.st_size), size);
     }
     if (err == 0 && ::fsync(fd) != 0) err = errno;
     ::close(fd);
     return err ? from_errno(err, "extend " + path) : StoreError{};
   }
 
-  StoreError remove(const std::string& id) override {
+  // Unlinking is enough: a new file reads zeroes wherever it was not written.
+  StoreError remove(const std::string& id, const Progress& progress) override {
     const std::string path = path_of(id);
     if (::unlink(path.c_str()) != 0 && errno != ENOENT) return from_errno(errno, "remove " + path);
+    if (progress) progress(1, 1);
     return {};
   }
 
@@ -89,25 +84,41 @@ class FileVolumeStore final : public VolumeStore {
   }
 
  private:
+  // Makes the file `size` bytes long from `from`; returns errno. Sparse: the file system finds
+  // blocks as they are written, so the space is shared by what volumes really hold, and a
+  // write may meet a full file system (ENOSPC to the client). Preallocated: the blocks are
+  // reserved now, so a full disk is an error of the create rather than of a guest's write.
+  int grow(int fd, uint64_t from, uint64_t size) const {
+    if (preallocate_) {
+      int err = ::posix_fallocate(fd, static_cast<off_t>(from), static_cast<off_t>(size - from));
+      if (err != EOPNOTSUPP && err != EINVAL) return err;  // else no fallocate here: sparse
+    }
+    return ::ftruncate(fd, static_cast<off_t>(size)) == 0 ? 0 : errno;
+  }
   std::string path_of(const std::string& id) const { return (dir_ / (id + ".img")).string(); }
   fs::path dir_;
+  bool preallocate_;
 };
 
 }  // namespace
 
-std::unique_ptr<VolumeStore> make_file_store(const std::string& dir, StoreError& error) {
+std::unique_ptr<VolumeStore> make_file_store(const std::string& dir, bool preallocate,
+                                             StoreError& error) {
   std::error_code ec;
   fs::create_directories(dir, ec);
   if (ec) {
     error = {ec, "create " + dir + ": " + ec.message()};
     return nullptr;
   }
-  return std::make_unique<FileVolumeStore>(dir);
+  return std::make_unique<FileVolumeStore>(dir, preallocate);
 }
 
 std::unique_ptr<VolumeStore> make_store(const std::string& spec, const std::string& state_dir,
-                                        const std::string& lvm_config, StoreError& error) {
-  if (spec == "file") return make_file_store((fs::path(state_dir) / "volumes").string(), error);
+                                        const std::string& lvm_config, bool preallocate,
+                                        StoreError& error) {
+  if (spec == "file") {
+    return make_file_store((fs::path(state_dir) / "volumes").string(), preallocate, error);
+  }
   if (spec.rfind("lvm:", 0) == 0 && spec.size() > 4) {
     return make_lvm_store(spec.substr(4), lvm_config, error);
   }

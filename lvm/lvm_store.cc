@@ -107,25 +107,20 @@ class LvmVolumeStore final : public VolumeStore {
     return {};
   }
 
-  StoreError remove(const std::string& id) override {
-    std::lock_guard lock(mutex_);
+  // The zeroing holds no lock of the store's: other volumes' creates, opens and removes go
+  // on meanwhile. The LV keeps its extents until lvremove, so no other volume can get them.
+  StoreError remove(const std::string& id, const Progress& progress) override {
     std::vector<backend::MappedSegment> segments;
     std::string block_device;
-    if (StoreError e = layout(id, UINT64_MAX, segments, block_device)) {
-      if (e.code.value() == ENOENT) return {};  // already gone: removing again is a no-op
-      return e;
+    {
+      std::lock_guard lock(mutex_);
+      if (StoreError e = layout(id, UINT64_MAX, segments, block_device)) {
+        if (e.code.value() == ENOENT) return {};  // already gone: removing again is a no-op
+        return e;
+      }
     }
-    // Zero every extent first, so that no later volume on these extents sees this one's data.
-    std::error_code ec;
-    std::shared_ptr<backend::Volume> volume = block_device.empty()
-                                                  ? backend::Volume::open_mapped(segments, ec)
-                                                  : backend::Volume::open(block_device, ec);
-    if (!volume) return failure(ec.value(), "open " + lv(id) + " to zero it: " + ec.message());
-    backend::Handle handle(volume, backend::AttachMode::ReadWrite);
-    if (int err = handle.write_zeroes(volume->size(), 0, backend::kNoHole | backend::kFua)) {
-      return failure(err, "zero " + lv(id) + ": " + std::generic_category().message(err));
-    }
-    volume.reset();
+    if (StoreError e = zero(id, segments, block_device, progress)) return e;
+    std::lock_guard lock(mutex_);
     CommandResult r = lvm({"lvremove", "-y", vg_ + "/" + lv(id)});
     if (r.status != 0) return classify("lvremove " + vg_ + "/" + lv(id), r);
     return {};
@@ -182,6 +177,36 @@ class LvmVolumeStore final : public VolumeStore {
 
  private:
   static std::string lv(const std::string& id) { return "volume-" + id; }
+
+  // Zeroes every extent, so that no later volume on them sees this one's data; a piece at a
+  // time, telling `progress` after each.
+  StoreError zero(const std::string& id, const std::vector<backend::MappedSegment>& segments,
+                  const std::string& block_device, const Progress& progress) {
+    std::error_code ec;
+    std::shared_ptr<backend::Volume> volume = block_device.empty()
+                                                  ? backend::Volume::open_mapped(segments, ec)
+                                                  : backend::Volume::open(block_device, ec);
+    if (!volume) return failure(ec.value(), "open " + lv(id) + " to zero it: " + ec.message());
+    backend::Handle handle(volume, backend::AttachMode::ReadWrite);
+    const uint64_t total = volume->size();
+    constexpr uint64_t kPiece = 64ULL << 20;
+    for (uint64_t done = 0; done < total;) {
+      if (progress && !progress(done, total)) {
+        return failure(ECANCELED, "zeroing " + lv(id) + " stopped at " + std::to_string(done) +
+                                      " of " + std::to_string(total) + " bytes");
+      }
+      const uint64_t length = std::min(kPiece, total - done);
+      if (int err = handle.write_zeroes(length, done, backend::kNoHole)) {
+        return failure(err, "zero " + lv(id) + ": " + std::generic_category().message(err));
+      }
+      done += length;
+    }
+    if (int err = handle.flush()) {
+      return failure(err, "flush " + lv(id) + ": " + std::generic_category().message(err));
+    }
+    if (progress) progress(total, total);
+    return {};
+  }
 
   CommandResult lvm(std::vector<std::string> argv) {
     argv.insert(argv.begin() + 1, {"--config", config_});

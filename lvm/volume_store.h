@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <system_error>
@@ -22,6 +23,10 @@ struct StoreError {
   explicit operator bool() const { return static_cast<bool>(code); }
 };
 
+// Told how far a long operation has come: `done` of `total` bytes. Returns false to stop it
+// (the daemon is stopping): the operation then fails with ECANCELED and may be run again.
+using Progress = std::function<bool(uint64_t done, uint64_t total)>;
+
 class VolumeStore {
  public:
   virtual ~VolumeStore() = default;
@@ -33,8 +38,10 @@ class VolumeStore {
   virtual StoreError create(const std::string& id, uint64_t size) = 0;
   // Grows the backing to `size` bytes; the new bytes read as zeroes.
   virtual StoreError extend(const std::string& id, uint64_t size) = 0;
-  // Discards the backing; its bytes are never visible to a later volume.
-  virtual StoreError remove(const std::string& id) = 0;
+  // Discards the backing; its bytes are never visible to a later volume. May take long (the
+  // LVM store zeroes every extent first), telling `progress`; other volumes' calls go on
+  // meanwhile. Removing backing that is already gone succeeds.
+  virtual StoreError remove(const std::string& id, const Progress& progress) = 0;
   // Opens the first `size` bytes of the backing for I/O.
   virtual StoreError open(const std::string& id, uint64_t size,
                           std::shared_ptr<backend::Volume>& out) = 0;
@@ -44,16 +51,38 @@ class VolumeStore {
   virtual StoreError list(std::vector<std::string>& ids) = 0;
 };
 
-// Volumes as files `<dir>/<id>.img`, their space reserved at create (posix_fallocate).
-std::unique_ptr<VolumeStore> make_file_store(const std::string& dir, StoreError& error);
+// Volumes as files `<dir>/<id>.img`: sparse (blocks are allocated as they are written, so a
+// write may find the file system full), or with every block reserved at create and extend
+// when `preallocate` (posix_fallocate; a full disk is then an error of the create).
+std::unique_ptr<VolumeStore> make_file_store(const std::string& dir, bool preallocate,
+                                             StoreError& error);
 
 // Volumes as logical volumes `volume-<id>` tagged "shareblk" in volume group `vg`. lvm2 runs
 // with `config` added to its --config (and activation off where there is no device-mapper).
 std::unique_ptr<VolumeStore> make_lvm_store(const std::string& vg, const std::string& config,
                                             StoreError& error);
 
-// Parses `--store`: "file" (volumes under `state_dir`/volumes) or "lvm:VG".
+// Parses `--store`: "file" (volumes under `state_dir`/volumes) or "lvm:VG". `preallocate`
+// is the file store's (an LV always has all its extents).
 std::unique_ptr<VolumeStore> make_store(const std::string& spec, const std::string& state_dir,
-                                        const std::string& lvm_config, StoreError& error);
+                                        const std::string& lvm_config, bool preallocate,
+                                        StoreError& error);
+
+// A disk image that a new volume is filled from (volume_create's `from_image`).
+struct ImageInfo {
+  std::string format;  // "raw" or "qcow2", as qemu-img finds it
+  uint64_t virtual_size = 0;
+};
+
+// Reads what `qemu-img info` says of the image at `path`. ENOENT when there is no such file;
+// EINVAL when qemu-img cannot read it, it is of another format than raw or qcow2, or it has a
+// backing or external data file (filling would then read a file the caller did not name).
+StoreError inspect_image(const std::string& path, ImageInfo& out);
+
+// Writes the image's contents into the first bytes of `volume` (a freshly made one: it must
+// read as zeroes) with `qemu-img convert`, telling `progress`. ENOTSUP when the volume's bytes
+// are not in one file, device or segment (an LV mapped onto several pieces).
+StoreError fill_from_image(const backend::Volume& volume, const std::string& image,
+                           const ImageInfo& info, const Progress& progress);
 
 }  // namespace shareblk::lvm

@@ -4,12 +4,14 @@
 #include <gtest/gtest.h>
 #include <sqlite3.h>
 
+#include <chrono>
 #include <filesystem>
 #include <fstream>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <sstream>
 #include <string>
+#include <thread>
 
 #include "control/control.h"
 #include "control/db.h"
@@ -184,7 +186,8 @@ void StateDatabaseTest::expect_migrated_from(const char* fixture, int version) {
     const Json made = call(plane, "volume_create", {{"name", "new"}, {"size", "1M"}});
     ASSERT_TRUE(made.contains("result")) << made;
     const std::string plain = before_volumes[1]["id"];
-    EXPECT_TRUE(call(plane, "volume_delete", {{"volume_id", plain}})["result"]["deleted"]);
+    EXPECT_TRUE(
+        call(plane, "volume_delete", {{"volume_id", plain}, {"wait", true}})["result"]["deleted"]);
     EXPECT_EQ(store_.volumes().count(plain), 0u);
   }
   EXPECT_EQ(sql(db_path(), "PRAGMA user_version"),
@@ -293,7 +296,7 @@ TEST_F(StateDatabaseTest, StoreFailuresHaveTheirReasonsAndLeaveNoRow) {
   // A store that cannot remove the backing leaves the volume to retry on, in status error
   // (its backing may be half gone: an LVM volume is zeroed before lvremove), not attachable.
   store_.fail_next(FakeVolumeStore::Call::Remove, EIO);
-  Json del = call(plane, "volume_delete", {{"volume_id", id}});
+  Json del = call(plane, "volume_delete", {{"volume_id", id}, {"wait", true}});
   EXPECT_EQ(del["error"]["data"]["reason"], "internal") << del;
   Json shown = call(plane, "volume_show", {{"volume_id", id}})["result"];
   EXPECT_EQ(shown["id"], id);
@@ -302,7 +305,8 @@ TEST_F(StateDatabaseTest, StoreFailuresHaveTheirReasonsAndLeaveNoRow) {
       << shown;
   Json refused = call(plane, "attachment_create", {{"volume_id", id}, {"instance_uuid", "i"}});
   EXPECT_EQ(refused["error"]["data"]["reason"], "volume_error") << refused;
-  EXPECT_TRUE(call(plane, "volume_delete", {{"volume_id", id}})["result"]["deleted"]);
+  EXPECT_TRUE(
+      call(plane, "volume_delete", {{"volume_id", id}, {"wait", true}})["result"]["deleted"]);
   EXPECT_TRUE(store_.volumes().empty());
   EXPECT_EQ(sql(db_path(), "SELECT count(*) FROM volume_intent"), "0");
 }
@@ -336,7 +340,14 @@ TEST_F(StateDatabaseTest, AStartFinishesTheIntentsItFinds) {
                 .find("CHECK constraint failed"),
             std::string::npos);
   ControlPlane plane(db_path(), store_, {});
-  const Json volumes = call(plane, "volume_list")["result"];
+  // The create is rolled back before the start returns; the delete is finished in the
+  // background (status "deleting" until then).
+  Json volumes = call(plane, "volume_list")["result"];
+  for (int i = 0; i < 500 && volumes.size() > 1; ++i) {
+    EXPECT_EQ(volumes[1]["status"], "deleting") << volumes;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    volumes = call(plane, "volume_list")["result"];
+  }
   ASSERT_EQ(volumes.size(), 1u) << volumes;
   EXPECT_EQ(volumes[0]["id"], kept);
   EXPECT_EQ(volumes[0]["status"], "available");
@@ -353,7 +364,7 @@ TEST_F(StateDatabaseTest, AVolumeWithoutBackingIsAnErrorAndRefusesAttachments) {
       call(plane, "volume_create", {{"name", "v"}, {"size", "1M"}})["result"]["id"];
   const std::string reserved =
       call(plane, "attachment_create", {{"volume_id", id}, {"instance_uuid", "i"}})["result"]["id"];
-  ASSERT_FALSE(store_.remove(id));
+  ASSERT_FALSE(store_.remove(id, {}));
   Json refused = call(plane, "attachment_create", {{"volume_id", id}, {"instance_uuid", "j"}});
   EXPECT_EQ(refused["error"]["data"]["reason"], "volume_error") << refused;
   EXPECT_EQ(refused["error"]["code"], -32009) << refused;

@@ -38,7 +38,7 @@ class ControlPlaneTest : public ::testing::Test {
  protected:
   void SetUp() override {
     shareblk::lvm::StoreError error;
-    store_ = shareblk::lvm::make_file_store(volumes_dir(), error);
+    store_ = shareblk::lvm::make_file_store(volumes_dir(), false, error);
     ASSERT_TRUE(store_) << error.message;
     open();
   }
@@ -274,8 +274,9 @@ TEST_F(ControlPlaneTest, VolumeDeleteIsRefusedWhileAttached) {
   EXPECT_EQ(volume_status(id), "in-use");
 
   ok("attachment_delete", {{"attachment_id", attachment}});
-  Json deleted = ok("volume_delete", {{"volume_id", id}});
+  Json deleted = ok("volume_delete", {{"volume_id", id}, {"wait", true}});
   EXPECT_EQ(deleted["id"], id);
+  EXPECT_EQ(deleted["deleted"], true);
   EXPECT_FALSE(fs::exists(backing(id)));
   EXPECT_EQ(reason("volume_show", {{"volume_id", id}}), "not_found");
   EXPECT_EQ(reason("attachment_show", {{"attachment_id", attachment}}), "not_found");
@@ -954,7 +955,7 @@ TEST_F(ControlPlaneTest, AnAttachmentLeftDetachingIsDetachedAtOpen) {
   EXPECT_EQ(a["attach_status"], "detached");
   EXPECT_TRUE(a["detach_time"].is_string());
   EXPECT_EQ(volume_status(id), "available");
-  ok("volume_delete", {{"volume_id", id}});
+  ok("volume_delete", {{"volume_id", id}, {"wait", true}});
 }
 
 // --- Connectors ---
@@ -1052,7 +1053,7 @@ class ServiceTest : public ::testing::Test {
  protected:
   void SetUp() override {
     shareblk::lvm::StoreError error;
-    store_ = shareblk::lvm::make_file_store(dir_ / "volumes", error);
+    store_ = shareblk::lvm::make_file_store(dir_ / "volumes", false, error);
     ASSERT_TRUE(store_) << error.message;
     service_ =
         std::make_unique<shareblk::control::Service>(dir_ / "shareblk.db", *store_, Policy{});
@@ -1096,7 +1097,7 @@ TEST_F(ServiceTest, UnknownVolumeIdsLeaveNoLockBehind) {
   const std::string a =
       call("attachment_create", {{"volume_id", id}, {"instance_uuid", "i"}})["id"];
   call("attachment_delete", {{"attachment_id", a}});
-  call("volume_delete", {{"volume_id", id}});
+  call("volume_delete", {{"volume_id", id}, {"wait", true}});
   EXPECT_EQ(service_->volume_lock_count(), 0u);
 }
 

@@ -57,10 +57,16 @@ class CrashTest : public ::testing::Test {
     }
     return ids;
   }
-  // The volumes the daemon lists, by id; every one must be usable.
+  // The volumes the daemon lists, by id, once no delete is under way (a start finishes an
+  // interrupted one in the background); every one must be usable.
   std::set<std::string> volumes() {
+    Json list = st::rpc_ok(control(), "volume_list");
+    for (int i = 0; i < 500 && list.dump().find("\"deleting\"") != std::string::npos; ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+      list = st::rpc_ok(control(), "volume_list");
+    }
     std::set<std::string> ids;
-    for (const Json& v : st::rpc_ok(control(), "volume_list")) {
+    for (const Json& v : list) {
       EXPECT_NE(v["status"], "error") << v;
       ids.insert(v["id"].get<std::string>());
     }
@@ -92,8 +98,9 @@ TEST_P(CrashPointTest, ARestartLeavesEveryVolumeWithItsFileAndNoFileWithoutAVolu
   ASSERT_EQ(daemon_->stop(SIGTERM), 0);
 
   start(point);
-  if (deleting) {
-    EXPECT_THROW(st::rpc(control(), "volume_delete", {{"volume_id", victim}}), std::runtime_error);
+  if (deleting) {  // waiting, so that the kill in the delete's job ends the call too
+    EXPECT_THROW(st::rpc(control(), "volume_delete", {{"volume_id", victim}, {"wait", true}}),
+                 std::runtime_error);
   } else {
     EXPECT_THROW(st::rpc(control(), "volume_create", {{"name", "new"}, {"size", "1M"}}),
                  std::runtime_error);
@@ -110,7 +117,7 @@ TEST_P(CrashPointTest, ARestartLeavesEveryVolumeWithItsFileAndNoFileWithoutAVolu
   }
 
   start();
-  EXPECT_EQ(volumes(), std::set<std::string>{kept}) << daemon_->log();
+  EXPECT_EQ(volumes(), std::set<std::string>{kept}) << daemon_->log();  // once it settled
   EXPECT_EQ(files(), std::set<std::string>{kept});
   EXPECT_NE(daemon_->log().find(deleting ? "finished" : "rolled back"), std::string::npos)
       << daemon_->log();
@@ -242,7 +249,8 @@ TEST_F(CrashTest, AVolumeWhoseFileIsRemovedShowsErrorAndRefusesAttachments) {
                            {{"volume_id", id}, {"instance_uuid", "j"}, {"connector", connector}}),
             "volume_error");
   // It can still be deleted, and then nothing is left.
-  EXPECT_TRUE(st::rpc_ok(control(), "volume_delete", {{"volume_id", id}})["deleted"]);
+  EXPECT_TRUE(
+      st::rpc_ok(control(), "volume_delete", {{"volume_id", id}, {"wait", true}})["deleted"]);
   EXPECT_TRUE(st::rpc_ok(control(), "volume_list").empty());
   EXPECT_TRUE(files().empty());
 }

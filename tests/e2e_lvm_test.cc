@@ -4,8 +4,10 @@
 #include <libnbd.h>
 #include <signal.h>
 
+#include <chrono>
 #include <fstream>
 #include <memory>
+#include <thread>
 
 #include "tests/control_client.h"
 #include "tests/lvm_fixture.h"
@@ -33,12 +35,30 @@ class LvmStore : public ::testing::Test {
     vg_.reset();
   }
 
-  void start() {
+  // `env`: NAME=VALUE settings for the daemon (the tests' hooks).
+  void start(const std::vector<std::string>& env = {}) {
+    std::vector<std::string> launcher;
+    if (!env.empty()) launcher.emplace_back("env");
+    launcher.insert(launcher.end(), env.begin(), env.end());
     daemon_ = std::make_unique<Daemon>(
         std::vector<std::string>{"--state-dir", dir_ / "var", "--store", "lvm:" + vg_name_,
                                  "--lvm-config", vg_->daemon_config(), "--listen-unix",
                                  dir_ / "nbd.sock", "--workers", "2"},
-        socket());
+        socket(), launcher);
+  }
+  // volume_show until the volume is gone (at most 30 s); its last status otherwise.
+  std::string wait_gone(const std::string& id) {
+    for (int i = 0; i < 3000; ++i) {
+      Json v = rpc(socket(), "volume_show", {{"volume_id", id}});
+      if (v.contains("error") && v["error"]["data"]["reason"] == "not_found") return "gone";
+      if (v["result"]["status"] != "deleting") return v.dump();
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    return "still deleting";
+  }
+  bool has_lv(const std::string& id) {
+    RunResult lvs = vg_->lvm({"lvs", "--noheadings", "-o", "lv_name", vg_name_});
+    return lvs.output.find("volume-" + id) != std::string::npos;
   }
   std::string socket() const { return dir_ / "var/shareblk.sock"; }
 
@@ -160,7 +180,7 @@ TEST_F(LvmStore, DeletedVolumeLeavesNoDataOnItsExtents) {
   }
   std::vector<LoopVolumeGroup::Range> map = ranges(id);
   rpc_ok(socket(), "volume_detach", {{"volume_id", id}});
-  rpc_ok(socket(), "volume_delete", {{"volume_id", id}});
+  rpc_ok(socket(), "volume_delete", {{"volume_id", id}, {"wait", true}});
   for (const auto& r : map) {
     EXPECT_EQ(read_file(vg_->device(), r.physical, r.length), std::string(r.length, '\0'));
   }
@@ -201,7 +221,7 @@ TEST_F(LvmStore, RestartAfterKillServesTheSameExportsAndReportsMissingVolumes) {
   EXPECT_TRUE(back == data);
   EXPECT_EQ(rpc_ok(socket(), "volume_list").size(), 2u);  // metadata is the database's
   // The volume whose LV is gone can still be deleted: removing absent backing is a no-op.
-  rpc_ok(socket(), "volume_delete", {{"volume_id", gone["id"]}});
+  rpc_ok(socket(), "volume_delete", {{"volume_id", gone["id"]}, {"wait", true}});
   EXPECT_EQ(rpc_ok(socket(), "volume_list").size(), 1u);
 }
 
@@ -238,6 +258,120 @@ TEST(LvmStoreStartup, MissingVolumeGroupIsAClearError) {
                     std::chrono::seconds(60));
   EXPECT_NE(r.status, 0);
   EXPECT_NE(r.output.find("not found"), std::string::npos) << r.output;
+}
+
+// A delete's zeroing (slowed down by the test hook: 96 MiB in two pieces, a pause before each)
+// runs in the background: the call returns at once, the volume shows "deleting" and how far it
+// has come, refuses attachments, and another volume is created and used meanwhile.
+TEST_F(LvmStore, DeleteZeroesInTheBackgroundWhileOtherVolumesGoOn) {
+  daemon_.reset();
+  start({"SHAREBLK_TEST_JOB_PAUSE_MS=1000"});
+  const std::string id = create("big", "96M")["id"];
+  const std::string secret = pattern(kMiB, 11);
+  {
+    NbdHandle rw(attach(id, "host", "rw"));
+    ASSERT_TRUE(rw.ok) << nbd_get_error();
+    ASSERT_EQ(nbd_pwrite(rw.h, secret.data(), secret.size(), 80 * kMiB, 0), 0);
+    ASSERT_EQ(nbd_flush(rw.h, 0), 0);
+  }
+  std::vector<LoopVolumeGroup::Range> map = ranges(id);
+  rpc_ok(socket(), "volume_detach", {{"volume_id", id}});
+
+  const auto before = std::chrono::steady_clock::now();
+  Json started = rpc_ok(socket(), "volume_delete", {{"volume_id", id}});
+  EXPECT_LT(std::chrono::steady_clock::now() - before, std::chrono::milliseconds(900));
+  EXPECT_EQ(started["status"], "deleting") << started;
+  Json shown = rpc_ok(socket(), "volume_show", {{"volume_id", id}});
+  EXPECT_EQ(shown["status"], "deleting") << shown;
+  EXPECT_TRUE(shown["progress"].is_number_integer()) << shown;
+  EXPECT_EQ(rpc_reason(socket(), "attachment_create", {{"volume_id", id}, {"instance_uuid", "i"}}),
+            "volume_busy");
+  // Deleting again while it runs is the same delete.
+  EXPECT_EQ(rpc_ok(socket(), "volume_delete", {{"volume_id", id}})["status"], "deleting");
+
+  Json other = create("other", "8M");
+  EXPECT_EQ(rpc_ok(socket(), "volume_show", {{"volume_id", id}})["status"], "deleting")
+      << "the create should have completed while the delete was still zeroing";
+  {
+    NbdHandle rw(attach(other["id"], "host", "rw"));
+    ASSERT_TRUE(rw.ok) << nbd_get_error();
+    const std::string data = pattern(kMiB, 2);
+    ASSERT_EQ(nbd_pwrite(rw.h, data.data(), data.size(), 0, 0), 0);
+    std::string back(kMiB, '\0');
+    ASSERT_EQ(nbd_pread(rw.h, back.data(), back.size(), 0, 0), 0);
+    EXPECT_TRUE(back == data);
+  }
+
+  EXPECT_EQ(wait_gone(id), "gone");
+  EXPECT_FALSE(has_lv(id));
+  for (const auto& r : map) {
+    EXPECT_EQ(read_file(vg_->device(), r.physical, r.length), std::string(r.length, '\0'));
+  }
+}
+
+// A volume filled from an image by qemu-img, straight onto the physical volume where lvm2 put
+// the LV (no device-mapper here), read back through NBD.
+TEST_F(LvmStore, VolumeFilledFromAnImageHoldsItsBytesOnTheMappedExtents) {
+  SHAREBLK_REQUIRE(have_program("qemu-img"), "qemu-img is not installed");
+  const std::string data = pattern(6 * kMiB, 17);
+  const std::string raw = dir_ / "image.raw";
+  const std::string qcow2 = dir_ / "image.qcow2";
+  { std::ofstream(raw, std::ios::binary) << data; }
+  RunResult made = run({"qemu-img", "convert", "-f", "raw", "-O", "qcow2", raw, qcow2});
+  ASSERT_EQ(made.status, 0) << made.output;
+  create("before", "4M");  // so that the new LV does not start at the first extent
+  Json v =
+      rpc_ok(socket(), "volume_create", {{"name", "img"}, {"size", "8M"}, {"from_image", qcow2}});
+  const std::string id = v["id"];
+  for (int i = 0; i < 3000 && v["status"] == "creating"; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    v = rpc_ok(socket(), "volume_show", {{"volume_id", id}});
+  }
+  ASSERT_EQ(v["status"], "available") << v;
+  EXPECT_TRUE(physical_bytes(id, 0, data.size()) == data);
+  NbdHandle rw(attach(id, "host", "rw"));
+  ASSERT_TRUE(rw.ok) << nbd_get_error();
+  std::string back(8 * kMiB, 'x');
+  ASSERT_EQ(nbd_pread(rw.h, back.data(), back.size(), 0, 0), 0);
+  EXPECT_TRUE(back.substr(0, data.size()) == data);
+  EXPECT_EQ(back.substr(data.size()), std::string(2 * kMiB, '\0'));
+}
+
+// kill -9 in the middle of the zeroing (after the first piece): the LV is half zeroed and
+// still there; the next start finishes the delete by itself.
+TEST_F(LvmStore, DeleteKilledMidZeroingIsFinishedByTheNextStart) {
+  daemon_.reset();
+  start({"SHAREBLK_TEST_KILL_AT=volume_delete:zeroing"});
+  const std::string id = create("big", "96M")["id"];
+  const std::string secret = pattern(kMiB, 13);
+  {
+    NbdHandle rw(attach(id, "host", "rw"));
+    ASSERT_TRUE(rw.ok) << nbd_get_error();
+    ASSERT_EQ(nbd_pwrite(rw.h, secret.data(), secret.size(), 80 * kMiB, 0), 0);
+    ASSERT_EQ(nbd_flush(rw.h, 0), 0);
+  }
+  std::vector<LoopVolumeGroup::Range> map = ranges(id);
+  rpc_ok(socket(), "volume_detach", {{"volume_id", id}});
+  try {  // the daemon may die before it answers
+    rpc(socket(), "volume_delete", {{"volume_id", id}});
+  } catch (const std::exception&) {
+  }
+  const std::string hook = "SHAREBLK_TEST_KILL_AT=volume_delete:zeroing";
+  for (int i = 0; i < 1000 && daemon_->log().find(hook) == std::string::npos; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  ASSERT_NE(daemon_->log().find(hook), std::string::npos) << daemon_->log();
+  EXPECT_EQ(daemon_->stop(SIGKILL), 128 + SIGKILL);
+  EXPECT_TRUE(has_lv(id));
+  EXPECT_TRUE(physical_bytes(id, 80 * kMiB, kMiB) == secret) << "killed after the first piece";
+
+  start();
+  EXPECT_EQ(wait_gone(id), "gone") << daemon_->log();
+  EXPECT_FALSE(has_lv(id));
+  for (const auto& r : map) {
+    EXPECT_EQ(read_file(vg_->device(), r.physical, r.length), std::string(r.length, '\0'));
+  }
+  EXPECT_NE(daemon_->log().find("being finished"), std::string::npos) << daemon_->log();
 }
 
 }  // namespace

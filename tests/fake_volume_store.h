@@ -35,7 +35,7 @@ class FakeVolumeStore final : public lvm::VolumeStore {
     sizes_[id] = size;
     return {};
   }
-  lvm::StoreError remove(const std::string& id) override {
+  lvm::StoreError remove(const std::string& id, const lvm::Progress& /*progress*/) override {
     std::lock_guard lock(mutex_);
     if (auto e = take(Call::Remove)) return e;
     if (sizes_.erase(id) == 0) return error(ENOENT, "no volume " + id);

@@ -19,7 +19,7 @@ class JsonRpcIdTest : public ::testing::Test {
  protected:
   void SetUp() override {
     shareblk::lvm::StoreError error;
-    store_ = shareblk::lvm::make_file_store(dir_ / "volumes", error);
+    store_ = shareblk::lvm::make_file_store(dir_ / "volumes", false, error);
     ASSERT_TRUE(store_) << error.message;
     plane_ = std::make_unique<shareblk::control::ControlPlane>(dir_ / "shareblk.db", *store_,
                                                                shareblk::control::Policy{});

@@ -340,7 +340,7 @@ TEST_F(LvmStoreOnAFile, RemoveZeroesEveryExtentThenRemovesTheLogicalVolume) {
   auto store = make_store();
   answer_layout("a1");
   lvm_.answer("lvremove", ok());
-  EXPECT_FALSE(store->remove("a1"));
+  EXPECT_FALSE(store->remove("a1", {}));
   EXPECT_EQ(
       lvm_.take_calls(),
       (std::vector<Argv>{lvs_segments_call("a1"), kPvsCall, {"lvremove", "-y", "vg0/volume-a1"}}));
@@ -353,12 +353,41 @@ TEST_F(LvmStoreOnAFile, RemoveZeroesEveryExtentThenRemovesTheLogicalVolume) {
   EXPECT_EQ(testing::read_file(pv_, kPeStart + 7 * kExtent, kExtent), std::string(kExtent, 0x5a));
 }
 
+// The zeroing reports its progress, and stops (ECANCELED, the LV kept) when told to: the daemon
+// is stopping, and the next start deletes it again.
+TEST_F(LvmStoreOnAFile, RemoveReportsProgressAndStopsWhenToldTo) {
+  auto store = make_store();
+  answer_layout("a1");
+  std::vector<std::pair<uint64_t, uint64_t>> reports;
+  StoreError stopped = store->remove("a1", [&](uint64_t done, uint64_t total) {
+    reports.emplace_back(done, total);
+    return false;
+  });
+  EXPECT_EQ(stopped.code.value(), ECANCELED) << stopped.message;
+  ASSERT_EQ(reports.size(), 1u);
+  EXPECT_EQ(reports[0].first, 0u);
+  EXPECT_EQ(lvm_.take_calls(), (std::vector<Argv>{lvs_segments_call("a1"), kPvsCall}))
+      << "no lvremove after a stop";
+
+  answer_layout("a1");
+  lvm_.answer("lvremove", ok());
+  reports.clear();
+  EXPECT_FALSE(store->remove("a1", [&](uint64_t done, uint64_t total) {
+    reports.emplace_back(done, total);
+    return true;
+  }));
+  ASSERT_FALSE(reports.empty());
+  EXPECT_EQ(reports.back().first, reports.back().second);
+  EXPECT_EQ(reports.back().second, 3 * kExtent);
+  lvm_.take_calls();
+}
+
 // A delete retried after the LV went (a crash between lvremove and the database, say) must
 // succeed, or the volume could never be deleted.
 TEST_F(LvmStoreUnit, RemoveOfAVolumeAlreadyGoneIsANoOp) {
   auto store = make_store();
   lvm_.answer("lvs", fails("Failed to find logical volume \"vg0/volume-a1\""));
-  StoreError e = store->remove("a1");
+  StoreError e = store->remove("a1", {});
   EXPECT_FALSE(e) << e.message;
   EXPECT_EQ(lvm_.take_calls(), std::vector<Argv>{lvs_segments_call("a1")});
 }
@@ -372,7 +401,7 @@ TEST_F(LvmStoreUnit, RemoveReportsALvremoveFailure) {
                                    {{"linear", "0", std::to_string(kExtent), pv + ":0-0"}})));
   lvm_.answer("pvs", ok(pv_report(pv)));
   lvm_.answer("lvremove", fails("Logical volume vg0/volume-a1 in use."));
-  StoreError e = store->remove("a1");
+  StoreError e = store->remove("a1", {});
   EXPECT_EQ(e.code.value(), EIO);
   EXPECT_NE(e.message.find("in use"), std::string::npos) << e.message;
 }
