@@ -12,7 +12,8 @@
 //     (EIO), x (EEXIST) or o (ENOENT).
 // Lines that name the "fuse" transport are skipped: a FUSE attachment mounts where its
 // connector says, and a fuzzer must not mount over the machine's directories. So are lines
-// that name "state_backup", which writes a file wherever its path says.
+// that name "state_backup", which writes a file wherever its path says, and volume_create's
+// "from_image", which runs qemu-img on a file of the machine.
 //
 // Every reply must be JSON-RPC 2.0: one response per request that is not a notification, each
 // with a usable id, a result or an error with a documented code and reason, and "internal" or
@@ -24,6 +25,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
@@ -33,6 +35,7 @@
 #include <nlohmann/json.hpp>
 #include <string>
 #include <string_view>
+#include <thread>
 #include <vector>
 
 #include "control/jsonrpc.h"
@@ -186,7 +189,7 @@ void inject(std::string_view line, Made& made) {
 }
 
 // Whether a line holds the string "fuse" (a connector's transport) or "state_backup" (a
-// method) anywhere as a value.
+// method) anywhere as a value, or "from_image" as a key.
 class UnsafeFinder final : public nlohmann::json_sax<Json> {
  public:
   bool found = false;
@@ -201,7 +204,10 @@ class UnsafeFinder final : public nlohmann::json_sax<Json> {
   }
   bool binary(binary_t&) override { return true; }
   bool start_object(std::size_t) override { return true; }
-  bool key(string_t&) override { return true; }
+  bool key(string_t& k) override {
+    found = found || k == "from_image";  // runs qemu-img on a path of the daemon's host
+    return !found;
+  }
   bool end_object() override { return true; }
   bool start_array(std::size_t) override { return true; }
   bool end_array() override { return true; }
@@ -213,7 +219,7 @@ class UnsafeFinder final : public nlohmann::json_sax<Json> {
 bool names_unsafe(const std::string& line) {
   // Without these, no JSON string in the line can be either: most lines need no second parse.
   if (line.find("fuse") == std::string::npos && line.find("state_backup") == std::string::npos &&
-      line.find("\\u") == std::string::npos) {
+      line.find("from_image") == std::string::npos && line.find("\\u") == std::string::npos) {
     return false;
   }
   UnsafeFinder finder;
@@ -311,6 +317,16 @@ Json call(const std::string& method, const Json& params) {
 void clean_up(const Made& made) {
   Environment& env = environment();
   env.store.clear_failures();
+  // A volume_delete returns before its backing is gone (a job finishes it): wait for those.
+  for (int tries = 0;; ++tries) {
+    bool busy = false;
+    for (const Json& v : call("volume_list", Json::object())) {
+      busy = busy || v["status"] == "deleting" || v["status"] == "creating";
+    }
+    if (!busy) break;
+    if (tries == 10000) fail("a volume's job never finished");
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
   if (env.service->volume_lock_count() != 0) fail("a volume lock outlived its call");
   // Every volume has its backing made first and removed first (unless the store failed), and
   // every attachment needs a volume: with no backing left there is nothing to delete.
@@ -322,7 +338,7 @@ void clean_up(const Made& made) {
     if (a["attach_status"] != "detached") call("attachment_delete", {{"attachment_id", a["id"]}});
   }
   for (const Json& v : call("volume_list", Json::object())) {
-    call("volume_delete", {{"volume_id", v["id"]}});
+    call("volume_delete", {{"volume_id", v["id"]}, {"wait", true}});
   }
   if (!call("volume_list", Json::object()).empty()) fail("volumes left after deleting them all");
   if (!call("attachment_list", Json::object()).empty()) {
