@@ -18,10 +18,13 @@
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <map>
 
 #include "backend/backend.h"
+#include "cmd/json_log.h"
 #include "control/control.h"
 #include "lvm/volume_store.h"
+#include "metrics/metrics.h"
 #include "target/target.h"
 
 namespace po = boost::program_options;
@@ -195,7 +198,11 @@ int run(int argc, char** argv) {
      "control-socket clients at once (each nbdkit connection through the plugin holds one)")
     ("buffered", po::bool_switch(), "use the page cache instead of O_DIRECT")
     ("log-level", po::value<std::string>()->default_value("info"),
-     "trace, debug, info, warn, error");
+     "trace, debug, info, warn, error")
+    ("log-format", po::value<std::string>()->default_value("text"),
+     "text, or json (one JSON object per line, for log shippers)")
+    ("metrics-listen", po::value<std::string>(),
+     "serve Prometheus metrics at http://ADDR:PORT/metrics (docs/metrics.md; off by default)");
   // clang-format on
   po::variables_map vm;
   try {
@@ -216,6 +223,13 @@ int run(int argc, char** argv) {
     return 0;
   }
   spdlog::set_level(spdlog::level::from_str(vm["log-level"].as<std::string>()));
+  if (const std::string format = vm["log-format"].as<std::string>(); format == "json") {
+    spdlog::set_formatter(json_log_formatter());
+  } else if (format != "text") {
+    std::cerr << "shareblkd: --log-format must be text or json\n";
+    return 2;
+  }
+  const auto started = std::chrono::system_clock::now();
 
   target::ServerOptions options;
   if (vm.count("listen-unix"))
@@ -269,6 +283,7 @@ int run(int argc, char** argv) {
   sigset_t signals = block_signals();
 
   std::shared_ptr<target::ExportCatalog> catalog;
+  std::map<std::string, std::string> standalone_modes;  // export name -> "rw" or "ro"
   std::unique_ptr<lvm::VolumeStore> store;
   std::unique_ptr<control::ControlPlane> plane;
   std::string control_socket;
@@ -295,6 +310,7 @@ int run(int argc, char** argv) {
       spdlog::info("export '{}': {} ({} bytes, {}{})", spec.name, spec.path, volume->size(),
                    spec.read_only ? "read-only" : "read-write",
                    volume->is_direct() ? ", O_DIRECT" : ", page cache");
+      standalone_modes[spec.name] = spec.read_only ? "ro" : "rw";
       exports->add(spec.name, target::Export{volume,
                                              spec.read_only ? backend::AttachMode::ReadOnly
                                                             : backend::AttachMode::ReadWrite,
@@ -365,12 +381,32 @@ int run(int argc, char** argv) {
     }
     spdlog::info("control socket {} (store: {})", control_socket, store->kind());
   }
+  // Standalone exports are labelled with their name as attachment and volume.
+  metrics::Listener metrics_listener([&] {
+    if (plane) return metrics::render(plane->stats(), started);
+    std::vector<control::AttachmentStats> figures;
+    for (target::GroupStats& g : server.stats()) {
+      const std::string name = g.group;
+      figures.push_back({name, name, standalone_modes[name], std::move(g)});
+    }
+    return metrics::render(figures, started);
+  });
+  if (vm.count("metrics-listen")) {
+    std::string bound;
+    if (std::error_code ec =
+            metrics_listener.start(vm["metrics-listen"].as<std::string>(), bound, what)) {
+      std::cerr << "shareblkd: " << what << ": " << ec.message() << "\n";
+      return ec == std::errc::invalid_argument ? 2 : 1;
+    }
+    spdlog::info("metrics on http://{}/metrics", bound);
+  }
 
   int sig = 0;
   while (sigwait(&signals, &sig) == 0 && sig != SIGINT && sig != SIGTERM) {
     spdlog::info("signal {} ({}): ignored; SIGTERM or SIGINT stops shareblkd", sig, strsignal(sig));
   }
   spdlog::info("signal {}: stopping", sig);
+  metrics_listener.stop();  // it reads the control plane and the server
   if (plane) plane->stop();
   server.stop();
   return 0;

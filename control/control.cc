@@ -113,6 +113,10 @@ void ControlPlane::bind(target::Server* server, Endpoints endpoints) {
   impl_->service.bind(server, std::move(endpoints));
 }
 
+std::vector<AttachmentStats> ControlPlane::stats() {
+  return impl_->service.attachment_stats("", "");
+}
+
 std::string ControlPlane::handle(const std::string& line, const Caller& caller) {
   return handle_line(line, impl_->service, caller);
 }

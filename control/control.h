@@ -52,6 +52,15 @@ class Subscriber {
   virtual bool wait_gone(std::chrono::steady_clock::time_point /*deadline*/) { return true; }
 };
 
+// One live attachment's I/O since the daemon started, and its live NBD connections (the
+// `stats` method and /metrics; docs/metrics.md).
+struct AttachmentStats {
+  std::string attachment_id;
+  std::string volume_id;
+  std::string mode;  // "rw" or "ro"
+  target::GroupStats figures;
+};
+
 // Who called, from SO_PEERCRED; logged with every call.
 struct Caller {
   pid_t pid = 0;
@@ -73,6 +82,10 @@ class ControlPlane {
 
   // Must be called before serving: detach closes connections through `server`.
   void bind(target::Server* server, Endpoints endpoints);
+
+  // Every live attachment's figures, in the order attachment_list gives. Throws
+  // std::runtime_error when the database cannot be read.
+  std::vector<AttachmentStats> stats();
 
   // One JSON-RPC request (or batch) in, the response line out ("" for notifications).
   std::string handle(const std::string& line, const Caller& caller);

@@ -88,6 +88,11 @@ Json attachment_show(Service& s, const Json& p, const Caller&) {
   return s.attachment_show(need_string(p, "attachment_id"));
 }
 
+Json stats(Service& s, const Json& p, const Caller&) {
+  return s.stats(opt_string(p, "attachment_id").value_or(""),
+                 opt_string(p, "volume_id").value_or(""));
+}
+
 Json export_resolve(Service& s, const Json& p, const Caller& caller) {
   return s.export_resolve(need_string(p, "export_name"), caller);
 }
@@ -106,6 +111,7 @@ constexpr std::string_view kAttachmentUpdate[] = {"attachment_id", "connector", 
 constexpr std::string_view kVolumeTakeover[] = {"volume_id", "attachment_id"};
 constexpr std::string_view kAttachmentId[] = {"attachment_id"};
 constexpr std::string_view kExportResolve[] = {"export_name"};
+constexpr std::string_view kStats[] = {"attachment_id", "volume_id"};
 
 constexpr std::array kMethods = {
     Method{"volume_create", kVolumeCreate, volume_create},
@@ -123,6 +129,7 @@ constexpr std::array kMethods = {
     Method{"attachment_list", kVolumeId, attachment_list},
     Method{"attachment_show", kAttachmentId, attachment_show},
     Method{"export_resolve", kExportResolve, export_resolve},
+    Method{"stats", kStats, stats},
 };
 
 }  // namespace
