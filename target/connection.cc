@@ -210,7 +210,9 @@ void Connection::on_recv(int res) {
   }
   {
     Hold hold(*this);
-    if (awaiting_payload_) payload_progress_ = std::chrono::steady_clock::now();
+    // One clock read per receive, not per request: the requests it holds arrived together.
+    if (kCountRequests || awaiting_payload_) received_at_ = std::chrono::steady_clock::now();
+    if (awaiting_payload_) payload_progress_ = received_at_;
     if (payload_for_ != nullptr) {
       payload_got_ += static_cast<uint32_t>(res);
       if (payload_got_ == payload_for_->length) {
@@ -308,7 +310,7 @@ bool Connection::begin_request(const nbd::Request& h) {
   }
   Request* r = worker_.get_request();
   r->conn = this;
-  if constexpr (kCountRequests) r->received = std::chrono::steady_clock::now();
+  if constexpr (kCountRequests) r->received = received_at_;
   r->cookie = h.cookie;
   r->type = h.type;
   r->nbd_flags = h.flags;

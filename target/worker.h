@@ -109,7 +109,7 @@ struct Request final : backend::IoRequest {
   static constexpr size_t kMaxIov = 2 * kMaxChunks + 1;
 
   Connection* conn = nullptr;
-  std::chrono::steady_clock::time_point received;  // its header parsed (latency)
+  std::chrono::steady_clock::time_point received;  // its header came in (latency)
   uint64_t cookie = 0;
   uint16_t type = 0;
   uint16_t nbd_flags = 0;
@@ -196,7 +196,8 @@ class Connection {
   std::unique_ptr<char[]> rbuf_;
   size_t rpos_ = 0;
   size_t rend_ = 0;
-  Request* payload_for_ = nullptr;  // a WRITE whose payload is still arriving
+  std::chrono::steady_clock::time_point received_at_;  // when the last bytes came in
+  Request* payload_for_ = nullptr;                     // a WRITE whose payload is still arriving
   uint32_t payload_got_ = 0;
   // A refused WRITE is answered once its payload has been read and dropped: a reply that
   // overtakes the request it answers makes clients (libnbd) drop the connection.

@@ -243,3 +243,40 @@ TEST_F(StatsTest, JsonLogLinesParse) {
 }
 
 }  // namespace
+
+namespace {
+
+// contrib/grafana/shareblk.json: every query is PromQL that promtool parses (as a recording
+// rule, with Grafana's variables replaced), over metrics that docs/metrics.md lists.
+TEST(GrafanaDashboard, QueriesParseAndNameDocumentedMetrics) {
+  SHAREBLK_REQUIRE(st::have_program("promtool"), "promtool (package prometheus) is missing");
+  std::ifstream in(std::string(SHAREBLK_SOURCE_DIR) + "/contrib/grafana/shareblk.json");
+  ASSERT_TRUE(in.good());
+  const Json dashboard = Json::parse(in);
+  std::ifstream doc_in(std::string(SHAREBLK_SOURCE_DIR) + "/docs/metrics.md");
+  const std::string doc((std::istreambuf_iterator<char>(doc_in)), {});
+  st::TempDir dir;
+  std::ofstream rules(dir / "rules.yml");
+  rules << "groups:\n- name: dashboard\n  rules:\n";
+  int n = 0;
+  const std::regex metric(R"(shareblk_attachment_\w+)");
+  for (const Json& panel : dashboard["panels"]) {
+    for (const Json& target : panel["targets"]) {
+      std::string expr = target["expr"];
+      expr = std::regex_replace(expr, std::regex(R"(\$__rate_interval)"), "5m");
+      expr = std::regex_replace(expr, std::regex(R"(\$\w+)"), ".*");
+      for (std::sregex_iterator it(expr.begin(), expr.end(), metric), end; it != end; ++it) {
+        std::string name = it->str();
+        name = std::regex_replace(name, std::regex("_bucket$"), "");
+        EXPECT_NE(doc.find("`" + name + "`"), std::string::npos) << name << " is not documented";
+      }
+      rules << "  - record: dashboard_" << n++ << "\n    expr: " << Json(expr).dump() << "\n";
+    }
+  }
+  rules.close();
+  EXPECT_GT(n, 5);
+  const st::RunResult checked = st::run({"promtool", "check", "rules", dir / "rules.yml"});
+  EXPECT_EQ(checked.status, 0) << checked.output;
+}
+
+}  // namespace
