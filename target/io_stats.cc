@@ -9,9 +9,9 @@
 namespace shareblk::target {
 
 namespace {
-// Bucket i: answered within 2^i microseconds.
+// Bucket i: answered within 2^i microseconds (1.5 us is not within 1 us: rounded up).
 size_t latency_bucket(std::chrono::nanoseconds took) {
-  const uint64_t us = static_cast<uint64_t>(std::max<int64_t>(took.count(), 0)) / 1000;
+  const uint64_t us = (static_cast<uint64_t>(std::max<int64_t>(took.count(), 0)) + 999) / 1000;
   const size_t bucket = us <= 1 ? 0 : static_cast<size_t>(std::bit_width(us - 1));
   return std::min(bucket, IoStats::kBuckets - 1);
 }
