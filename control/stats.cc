@@ -1,6 +1,5 @@
 // The `stats` method: the NBD server's per-attachment figures (target::Server::stats) with
 // each attachment's volume and mode, and their sums per volume (docs/api.md, docs/metrics.md).
-#include <cstring>
 #include <map>
 
 #include "control/service.h"
@@ -16,11 +15,6 @@ std::string iso(std::chrono::system_clock::time_point t) {
   char buf[32];
   std::strftime(buf, sizeof buf, "%Y-%m-%dT%H:%M:%SZ", &tm);
   return buf;
-}
-
-std::string errno_name(int err) {
-  const char* name = strerrordesc_np(err) != nullptr ? strerrorname_np(err) : nullptr;
-  return name != nullptr ? name : "errno " + std::to_string(err);
 }
 
 Json io_json(const target::IoStats& io) {
@@ -41,7 +35,7 @@ Json io_json(const target::IoStats& io) {
                                   {"latency", latency}};
   }
   Json errors = Json::object();
-  for (const auto& [err, count] : io.errors) errors[errno_name(err)] = count;
+  for (const auto& [err, count] : io.errors) errors[target::IoStats::errno_name(err)] = count;
   return {{"ops", ops}, {"errors", errors}, {"refused_writes", io.refused_writes}};
 }
 

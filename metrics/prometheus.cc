@@ -2,7 +2,6 @@
 // statistics (node_disk_reads_completed_total, node_disk_read_bytes_total, ...) with the
 // prefix shareblk_attachment_. docs/metrics.md is its reference; keep the two in step.
 #include <charconv>
-#include <cstring>
 #include <string_view>
 
 #include "metrics/metrics.h"
@@ -153,9 +152,8 @@ std::string render(const std::vector<control::AttachmentStats>& attachments,
   w.family("errors_total", "counter", "NBD requests answered with an error, by errno.");
   for (const auto& a : attachments) {
     for (const auto& [err, count] : a.figures.io.errors) {
-      const char* name = strerrordesc_np(err) != nullptr ? strerrorname_np(err) : nullptr;
       std::string label = "errno=\"";
-      append_label_value(label, name != nullptr ? name : std::to_string(err));
+      append_label_value(label, IoStats::errno_name(err));
       w.sample("errors_total", a, label + '"', count);
     }
   }

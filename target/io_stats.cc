@@ -2,6 +2,7 @@
 // (IoStats). docs/metrics.md says what each figure means.
 #include <algorithm>
 #include <bit>
+#include <cstring>
 
 #include "target/target.h"
 #include "target/worker.h"
@@ -21,6 +22,11 @@ const char* IoStats::kind_name(size_t kind) {
   static constexpr const char* kNames[kKinds] = {"read",  "write",        "trim", "write_zeroes",
                                                  "flush", "block_status", "cache"};
   return kind < kKinds ? kNames[kind] : "unknown";
+}
+
+std::string IoStats::errno_name(int err) {
+  const char* name = strerrordesc_np(err) != nullptr ? strerrorname_np(err) : nullptr;
+  return name != nullptr ? name : std::to_string(err);
 }
 
 IoStats& IoStats::operator+=(const IoStats& other) {

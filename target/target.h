@@ -58,6 +58,8 @@ struct IoStats {
   enum Kind : uint8_t { Read, Write, Trim, WriteZeroes, Flush, BlockStatus, Cache, kKinds };
   // "read", "write", "trim", "write_zeroes", "flush", "block_status", "cache".
   static const char* kind_name(size_t kind);
+  // How `errors` are shown: "EPERM", "EIO", ...; the number for one without a name.
+  static std::string errno_name(int err);
   // Latency histogram: bucket i counts requests answered within 2^i microseconds (and more
   // than the bucket before); the last one counts those slower than 2^(kBuckets-2) us (~16 s).
   static constexpr size_t kBuckets = 26;
