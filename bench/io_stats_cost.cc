@@ -2,6 +2,7 @@
 // the clock read per receive shared by the requests in it (here one per 32, a QD32 client's
 // batch), and GroupCounters::record(). Built and run by bench/io-stats.
 #include <chrono>
+#include <cinttypes>
 #include <cstdio>
 
 #include "target/worker.h"
@@ -18,8 +19,7 @@ int main() {
     counters.record(kind, 4096, 0, clock::now() - received);
   }
   const double ns = std::chrono::duration<double, std::nano>(clock::now() - begin).count();
-  std::printf("counting one request: %.1f ns (%d requests counted: %llu)\n", ns / kRequests,
-              kRequests,
-              static_cast<unsigned long long>(counters.ops[0].requests.get() +
-                                              counters.ops[1].requests.get()));
+  const uint64_t counted = counters.ops[0].requests.get() + counters.ops[1].requests.get();
+  std::printf("counting one request: %.1f ns (%d requests counted: %" PRIu64 ")\n", ns / kRequests,
+              kRequests, counted);
 }
