@@ -230,6 +230,18 @@ const Command kCommands[] = {
        return p;
      },
      View::Attachment},
+    {"stats", "stats",
+     "[--attachment-id ATTACHMENT | --volume-id VOLUME] [--watch [SECONDS] [--count N]]",
+     "I/O per live attachment, like iostat: requests and MB per second, average latency,\n"
+     "errors, refused writes, connections. The first report covers the time since the daemon\n"
+     "started; with --watch (every SECONDS, default 2) each next one the interval before it.\n"
+     "--json prints each report as one line of the stats method's result (docs/metrics.md).\n"
+     "examples:\n"
+     "  shareblk stats\n"
+     "  shareblk stats --volume-id data --watch 1\n"
+     "  shareblk stats --json --watch 10 --count 6",
+     [](const std::vector<std::string>& /*args*/) { return Json::object(); },  // its own parser
+     View::Stats},
     {"backup", "state_backup", "PATH",
      "Copies the daemon's state database to PATH, consistent while it serves; PATH must not\n"
      "exist. Restoring: docs/state.md, \"Backup and restore\".\nexample:\n"

@@ -19,7 +19,8 @@ struct UsageError : std::runtime_error {
 };
 
 // How a result is printed when --json is not given.
-enum class View { Volume, Volumes, Attachment, Attachments, Raw };
+// Stats: the command prints its own reports (shareblk stats --watch), the table only names it.
+enum class View { Volume, Volumes, Attachment, Attachments, Raw, Stats };
 
 struct Command {
   const char* name;    // as typed: "volume-create"

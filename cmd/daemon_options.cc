@@ -122,7 +122,11 @@ po::options_description daemon_options() {
     ("log-level", po::value<std::string>()->default_value("info"),
      "trace, debug, info, warn, error, critical or off (reloaded on SIGHUP)")
     ("log-file", po::value<std::string>(),
-     "log to FILE instead of standard output; SIGHUP reopens it (after logrotate moved it)");
+     "log to FILE instead of standard output; SIGHUP reopens it (after logrotate moved it)")
+    ("log-format", po::value<std::string>()->default_value("text"),
+     "text, or json (one JSON object per line, for log shippers)")
+    ("metrics-listen", po::value<std::string>(),
+     "serve Prometheus metrics at http://ADDR:PORT/metrics (docs/metrics.md; off by default)");
   // clang-format on
   return desc;
 }

@@ -217,6 +217,121 @@ void resolve_references(shareblk::rpc::Client& client, Json& params) {
   }
 }
 
+// `shareblk stats`: an iostat-like table of every live attachment. The first report covers the
+// time since the daemon started; with --watch, each next one the interval before it.
+struct StatsReport {  // NOLINT(bugprone-exception-escape): a null Json does not throw
+  Json result;        // the stats method's
+  double uptime = 0;
+};
+
+std::string fixed(double v, int decimals) {
+  std::ostringstream s;
+  s << std::fixed << std::setprecision(decimals) << v;
+  return s.str();
+}
+
+void print_stats(const StatsReport& now, const StatsReport* before) {
+  // An attachment's figures in the report before, when it was there.
+  auto earlier = [&](const Json& a) -> const Json* {
+    if (before == nullptr) return nullptr;
+    for (const Json& b : before->result["attachments"]) {
+      if (b["attachment_id"] == a["attachment_id"]) return &b;
+    }
+    return nullptr;
+  };
+  const double seconds = std::max(1e-3, now.uptime - (before ? before->uptime : 0.0));
+  std::vector<std::vector<std::string>> rows;
+  for (const Json& a : now.result["attachments"]) {
+    const Json* b = earlier(a);
+    auto delta = [&](const char* op, const char* field) {
+      const double was = b ? (*b)["ops"][op][field].get<double>() : 0.0;
+      return a["ops"][op][field].get<double>() - was;
+    };
+    auto total = [&](const Json& x) {
+      uint64_t n = 0;
+      for (const auto& [name, count] : x["errors"].items()) n += count.get<uint64_t>();
+      return n;
+    };
+    const double reads = delta("read", "requests");
+    const double writes = delta("write", "requests");
+    auto await_ms = [&](const char* op, double n) {
+      return n > 0 ? fixed(delta(op, "time_seconds") * 1000 / n, 2) : std::string("0.00");
+    };
+    const uint64_t errors = total(a) - (b ? total(*b) : 0);
+    const uint64_t refused =
+        a["refused_writes"].get<uint64_t>() - (b ? (*b)["refused_writes"].get<uint64_t>() : 0);
+    rows.push_back(
+        {text(a["attachment_id"]), text(a["volume_id"]), text(a["mode"]),
+         std::to_string(a["connections"].size()), fixed(reads / seconds, 1),
+         fixed(writes / seconds, 1), fixed(delta("read", "bytes") / seconds / (1 << 20), 2),
+         fixed(delta("write", "bytes") / seconds / (1 << 20), 2), await_ms("read", reads),
+         await_ms("write", writes), std::to_string(errors), std::to_string(refused)});
+  }
+  std::cout << (before ? "last " : "since start, ") << fixed(seconds, 1) << " s\n";
+  print_table({"ATTACHMENT", "VOLUME", "MODE", "CONN", "r/s", "w/s", "rMB/s", "wMB/s", "r_await",
+               "w_await", "ERRORS", "REFUSED"},
+              rows);
+}
+
+int stats_command(shareblk::rpc::Client& client, const std::vector<std::string>& args, bool json) {
+  po::options_description d;
+  // clang-format off
+  d.add_options()
+    ("attachment-id", po::value<std::string>())
+    ("volume-id", po::value<std::string>())
+    ("watch", po::value<double>()->implicit_value(2.0))
+    ("count", po::value<unsigned>())
+    ("json", po::bool_switch());
+  // clang-format on
+  Json params = Json::object();
+  double interval = 0;
+  unsigned count = 1;
+  try {
+    po::variables_map vm;
+    po::store(po::command_line_parser(args).options(d).run(), vm);
+    po::notify(vm);
+    if (vm.count("attachment-id")) params["attachment_id"] = vm["attachment-id"].as<std::string>();
+    if (vm.count("volume-id")) params["volume_id"] = vm["volume-id"].as<std::string>();
+    if (vm.count("watch")) {
+      interval = vm["watch"].as<double>();
+      if (!(interval > 0)) throw cli::UsageError("--watch wants a number of seconds above 0");
+      count = 0;  // until interrupted
+    }
+    if (vm.count("count")) count = vm["count"].as<unsigned>();
+    json = json || vm["json"].as<bool>();
+  } catch (const std::exception& e) {
+    std::cerr << "shareblk: " << e.what() << "\n";
+    return 2;
+  }
+  try {
+    resolve_references(client, params);  // ids, prefixes and names, as the other commands
+  } catch (const cli::UsageError& e) {
+    std::cerr << "shareblk: " << e.what() << "\n";
+    return 2;
+  }
+  const bool redraw = interval > 0 && !json && ::isatty(STDOUT_FILENO);
+  StatsReport before;
+  for (unsigned n = 0; count == 0 || n < count; ++n) {
+    if (n > 0) std::this_thread::sleep_for(std::chrono::duration<double>(interval));
+    const shareblk::rpc::Outcome outcome = client.call("stats", params);
+    if (outcome.error) {
+      std::cerr << "shareblk: stats failed: " << escaped(outcome.error->describe()) << "\n";
+      return outcome.error->link ? 3 : 1;
+    }
+    StatsReport now{outcome.result, outcome.result["uptime_seconds"].get<double>()};
+    if (json) {
+      std::cout << ascii_json(now.result) << std::endl;  // one report a line
+    } else {
+      if (redraw) std::cout << "\x1b[H\x1b[2J";
+      if (n > 0 && !redraw) std::cout << "\n";
+      print_stats(now, n > 0 ? &before : nullptr);
+      std::cout << std::flush;
+    }
+    before = std::move(now);
+  }
+  return 0;
+}
+
 int run(int argc, char** argv) {
   po::options_description global("options");
   const char* env_socket = std::getenv("SHAREBLK_SOCKET");
@@ -284,6 +399,15 @@ int run(int argc, char** argv) {
   if (found != nullptr && vm.count("help")) {
     command_help(std::cout, *found);
     return 0;
+  }
+  if (found != nullptr && found->view == cli::View::Stats) {
+    const std::string path = vm["socket"].as<std::string>();
+    shareblk::rpc::Client client;
+    if (const std::error_code ec = client.connect(path, shareblk::rpc::kWaitForever)) {
+      std::cerr << "shareblk: cannot reach shareblkd at " << path << ": " << ec.message() << "\n";
+      return 3;
+    }
+    return stats_command(client, rest, vm["json"].as<bool>());
   }
 
   // volume-delete and volume-create --from-image wait for their job unless --no-wait.
@@ -378,6 +502,7 @@ int run(int argc, char** argv) {
       print_object(result);
       break;
     case cli::View::Raw:
+    case cli::View::Stats:
       std::cout << ascii_json(result, 2) << "\n";
       break;
   }

@@ -17,13 +17,16 @@
 #include <cstring>
 #include <filesystem>
 #include <iostream>
+#include <map>
 
 #include "backend/backend.h"
 #include "cmd/daemon_log.h"
 #include "cmd/daemon_options.h"
+#include "cmd/json_log.h"
 #include "cmd/systemd.h"
 #include "control/control.h"
 #include "lvm/volume_store.h"
+#include "metrics/metrics.h"
 #include "target/target.h"
 
 namespace po = boost::program_options;
@@ -221,6 +224,13 @@ int run(int argc, char** argv) {
     std::cerr << "shareblkd: --log-file: " << error << "\n";
     return 1;
   }
+  if (const std::string format = vm["log-format"].as<std::string>(); format == "json") {
+    spdlog::set_formatter(json_log_formatter());
+  } else if (format != "text") {
+    std::cerr << "shareblkd: --log-format must be text or json\n";
+    return 2;
+  }
+  const auto started = std::chrono::system_clock::now();
   for (const std::string& w : warnings) spdlog::warn("{}", w);
 
   target::ServerOptions options;
@@ -299,6 +309,7 @@ int run(int argc, char** argv) {
 
   std::shared_ptr<target::ExportCatalog> catalog;
   std::vector<std::shared_ptr<backend::Volume>> standalone_volumes;
+  std::map<std::string, std::string> standalone_modes;  // export name -> "rw" or "ro"
   std::unique_ptr<lvm::VolumeStore> store;
   std::unique_ptr<control::ControlPlane> plane;
   std::string control_socket;
@@ -328,6 +339,7 @@ int run(int argc, char** argv) {
                    spec.read_only ? "read-only" : "read-write",
                    volume->is_direct() ? ", O_DIRECT" : ", page cache");
       standalone_volumes.push_back(volume);
+      standalone_modes[spec.name] = spec.read_only ? "ro" : "rw";
       exports->add(spec.name, target::Export{volume,
                                              spec.read_only ? backend::AttachMode::ReadOnly
                                                             : backend::AttachMode::ReadWrite,
@@ -403,6 +415,25 @@ int run(int argc, char** argv) {
     }
     spdlog::info("control socket {} (store: {})", control_socket, store->kind());
   }
+  // Standalone exports are labelled with their name as attachment and volume.
+  metrics::Listener metrics_listener([&] {
+    if (plane) return metrics::render(plane->stats(), started);
+    std::vector<control::AttachmentStats> figures;
+    for (target::GroupStats& g : server.stats()) {
+      const std::string name = g.group;
+      figures.push_back({name, name, standalone_modes[name], std::move(g)});
+    }
+    return metrics::render(figures, started);
+  });
+  if (vm.count("metrics-listen")) {
+    std::string bound;
+    if (std::error_code ec =
+            metrics_listener.start(vm["metrics-listen"].as<std::string>(), bound, what)) {
+      std::cerr << "shareblkd: " << what << ": " << ec.message() << "\n";
+      return ec == std::errc::invalid_argument ? 2 : 1;
+    }
+    spdlog::info("metrics on http://{}/metrics", bound);
+  }
 
   cmd::notify_ready(plane ? "serving; control socket " + control_socket : "serving exports");
   const cmd::WatchdogThread watchdog;
@@ -422,6 +453,7 @@ int run(int argc, char** argv) {
   // acknowledged write durable; the database closes with the control plane.
   spdlog::info("signal {}: stopping", sig);
   cmd::notify_stopping();
+  metrics_listener.stop();  // it reads the control plane and the server
   if (plane) plane->stop();
   server.stop();
   bool flushed = true;

@@ -124,6 +124,10 @@ std::string ControlPlane::set_policy(const Policy& policy) {
   return impl_->service.set_policy(policy);
 }
 
+std::vector<AttachmentStats> ControlPlane::stats() {
+  return impl_->service.attachment_stats("", "");
+}
+
 std::string ControlPlane::handle(const std::string& line, const Caller& caller) {
   return handle_line(line, impl_->service, caller);
 }

@@ -52,6 +52,15 @@ class Subscriber {
   virtual bool wait_gone(std::chrono::steady_clock::time_point /*deadline*/) { return true; }
 };
 
+// One live attachment's I/O since the daemon started, and its live NBD connections (the
+// `stats` method and /metrics; docs/metrics.md).
+struct AttachmentStats {
+  std::string attachment_id;
+  std::string volume_id;
+  std::string mode;  // "rw" or "ro"
+  target::GroupStats figures;
+};
+
 // Who called, from SO_PEERCRED; logged with every call.
 struct Caller {
   pid_t pid = 0;
@@ -77,6 +86,10 @@ class ControlPlane {
   // A reload (SIGHUP): the policy's multiattach rules and nbd_allow_root take effect for the
   // calls and handshakes that follow; TLS stays as started. Returns what changed ("" if nothing).
   std::string set_policy(const Policy& policy);
+
+  // Every live attachment's figures, in the order attachment_list gives. Throws
+  // std::runtime_error when the database cannot be read.
+  std::vector<AttachmentStats> stats();
 
   // One JSON-RPC request (or batch) in, the response line out ("" for notifications).
   std::string handle(const std::string& line, const Caller& caller);

@@ -26,6 +26,10 @@ class ExportRegistry {
   void bind_server(target::Server* server) { server_ = server; }
   // NBD connections of the attachment in transmission phase.
   size_t connections(const std::string& attachment_id) const;
+  // The NBD server's figures of every group (attachment id); none without a server.
+  std::vector<target::GroupStats> stats() const {
+    return server_ != nullptr ? server_->stats() : std::vector<target::GroupStats>{};
+  }
 
   // Mounts the attachment's FUSE file at `mountpoint`, replacing a mount it had. Throws
   // ApiError("invalid_params") with the mount's error.

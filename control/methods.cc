@@ -94,6 +94,11 @@ Json state_backup(Service& s, const Json& p, const Caller&) {
   return s.state_backup(need_string(p, "path", kMaxPath));
 }
 
+Json stats(Service& s, const Json& p, const Caller&) {
+  return s.stats(opt_string(p, "attachment_id").value_or(""),
+                 opt_string(p, "volume_id").value_or(""));
+}
+
 Json export_resolve(Service& s, const Json& p, const Caller& caller) {
   return s.export_resolve(need_string(p, "export_name"), caller);
 }
@@ -114,6 +119,7 @@ constexpr std::string_view kVolumeTakeover[] = {"volume_id", "attachment_id"};
 constexpr std::string_view kAttachmentId[] = {"attachment_id"};
 constexpr std::string_view kExportResolve[] = {"export_name"};
 constexpr std::string_view kStateBackup[] = {"path"};
+constexpr std::string_view kStats[] = {"attachment_id", "volume_id"};
 
 constexpr std::array kMethods = {
     Method{"volume_create", kVolumeCreate, volume_create},
@@ -132,6 +138,7 @@ constexpr std::array kMethods = {
     Method{"attachment_show", kAttachmentId, attachment_show},
     Method{"export_resolve", kExportResolve, export_resolve},
     Method{"state_backup", kStateBackup, state_backup},
+    Method{"stats", kStats, stats},
 };
 
 }  // namespace

@@ -9,6 +9,7 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <filesystem>
 #include <mutex>
@@ -81,6 +82,10 @@ class Service {
   Json attachment_show(const std::string& id);
   // Moves a single-writer volume's write access to the attachment (writers.cc).
   Json volume_takeover(const std::string& volume_id, const std::string& attachment_id);
+  // I/O figures since start (stats.cc): of one attachment, one volume's, or all ("" for none).
+  Json stats(const std::string& attachment_id, const std::string& volume_id);
+  std::vector<AttachmentStats> attachment_stats(const std::string& attachment_id,
+                                                const std::string& volume_id);
 
   // A consistent copy of the state database at `path` (absolute; must not exist), written
   // aside and renamed into place (backup.cc).
@@ -173,6 +178,7 @@ class Service {
   // The database's directory: the daemon's state directory (--state-dir), where no FUSE
   // attachment may be mounted.
   std::filesystem::path state_dir_;
+  const std::chrono::system_clock::time_point started_ = std::chrono::system_clock::now();
   std::atomic<uint64_t> refused_unknown_{0};
   std::atomic<uint64_t> refused_by_binding_{0};
   // Last: its threads use the members above, and its destructor stops and joins them first.

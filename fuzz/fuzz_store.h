@@ -37,7 +37,7 @@ class FuzzStore final : public lvm::VolumeStore {
     it->second = size;
     return {};
   }
-  lvm::StoreError remove(const std::string& id) override {
+  lvm::StoreError remove(const std::string& id, const lvm::Progress& /*progress*/) override {
     if (auto e = take(Call::Remove)) return e;
     if (sizes_.erase(id) == 0) return error(ENOENT, "no such volume");
     return {};

@@ -89,6 +89,28 @@ std::optional<backend::Op> op_of(uint16_t type) {
   }
 }
 
+// What a command counts as (IoStats); kKinds for a command that is none of them.
+IoStats::Kind kind_of(uint16_t type) {
+  switch (type) {
+    case kCmdRead:
+      return IoStats::Read;
+    case kCmdWrite:
+      return IoStats::Write;
+    case kCmdTrim:
+      return IoStats::Trim;
+    case kCmdWriteZeroes:
+      return IoStats::WriteZeroes;
+    case kCmdFlush:
+      return IoStats::Flush;
+    case kCmdBlockStatus:
+      return IoStats::BlockStatus;
+    case kCmdCache:
+      return IoStats::Cache;
+    default:
+      return IoStats::kKinds;
+  }
+}
+
 }  // namespace
 
 void Request::done(int err) {
@@ -100,6 +122,7 @@ Connection::Connection(Worker& worker, int fd, Session session)
       fd_(fd),
       session_(std::move(session)),
       handle_(session_.exp.volume, session_.exp.mode, session_.exp.write_access),
+      counters_(worker.counters_for(session_.exp.group)),
       rbuf_(new char[kRecvBufferSize]) {
   recv_done_.conn = this;
   send_done_.conn = this;
@@ -187,7 +210,9 @@ void Connection::on_recv(int res) {
   }
   {
     Hold hold(*this);
-    if (awaiting_payload_) payload_progress_ = std::chrono::steady_clock::now();
+    // One clock read per receive, not per request: the requests it holds arrived together.
+    if (kCountRequests || awaiting_payload_) received_at_ = std::chrono::steady_clock::now();
+    if (awaiting_payload_) payload_progress_ = received_at_;
     if (payload_for_ != nullptr) {
       payload_got_ += static_cast<uint32_t>(res);
       if (payload_got_ == payload_for_->length) {
@@ -285,6 +310,7 @@ bool Connection::begin_request(const nbd::Request& h) {
   }
   Request* r = worker_.get_request();
   r->conn = this;
+  if constexpr (kCountRequests) r->received = received_at_;
   r->cookie = h.cookie;
   r->type = h.type;
   r->nbd_flags = h.flags;
@@ -375,6 +401,10 @@ void Connection::dispatch(Request* r) {
 }
 
 void Connection::finish_request(Request* r, int err) {
+  if constexpr (kCountRequests) {
+    counters_.record(kind_of(r->type), r->length, err,
+                     std::chrono::steady_clock::now() - r->received);
+  }
   if (broken_) {
     release(r);
   } else {

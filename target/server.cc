@@ -23,6 +23,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <map>
 #include <mutex>
 #include <set>
 #include <system_error>
@@ -221,10 +222,13 @@ Peer peer_of(int fd, bool tcp) {
   if (::getpeername(fd, reinterpret_cast<sockaddr*>(&ss), &len) != 0) return peer;
   char text[INET6_ADDRSTRLEN] = {};
   if (ss.ss_family == AF_INET) {
-    ::inet_ntop(AF_INET, &reinterpret_cast<sockaddr_in*>(&ss)->sin_addr, text, sizeof text);
+    auto* a = reinterpret_cast<sockaddr_in*>(&ss);
+    ::inet_ntop(AF_INET, &a->sin_addr, text, sizeof text);
     peer.address = text;
+    peer.port = ntohs(a->sin_port);
   } else if (ss.ss_family == AF_INET6) {
     auto* a = reinterpret_cast<sockaddr_in6*>(&ss);
+    peer.port = ntohs(a->sin6_port);
     if (IN6_IS_ADDR_V4MAPPED(&a->sin6_addr)) {
       ::inet_ntop(AF_INET, &a->sin6_addr.s6_addr[12], text, sizeof text);
     } else {
@@ -294,10 +298,16 @@ int accept_or_stop(int listen_fd, int stop_fd) {
   }
 }
 
-std::string describe(const Peer& peer) {
+namespace {
+std::string describe(const Peer& peer, bool with_port) {
   std::string text;
   if (peer.transport == Peer::Transport::Tcp) {
     text = "tcp " + peer.address;
+    if (with_port) {
+      const bool v6 = peer.address.find(':') != std::string::npos;
+      text =
+          "tcp " + (v6 ? "[" + peer.address + "]" : peer.address) + ":" + std::to_string(peer.port);
+    }
   } else if (!peer.uid) {
     text = "unix (no credentials)";
   } else {
@@ -311,6 +321,15 @@ std::string describe(const Peer& peer) {
     text += " (TLS certificate " + printable(peer.tls->x509_dn) + ")";
   }
   return text;
+}
+}  // namespace
+
+std::string describe(const Peer& peer) {
+  return describe(peer, false);
+}
+
+std::string describe_endpoint(const Peer& peer) {
+  return describe(peer, true);
 }
 
 struct Server::Impl final : ConnectionRegistry {
@@ -341,6 +360,8 @@ struct Server::Impl final : ConnectionRegistry {
   RateLimitedLog refusals;
   // group -> the serials of its transmitting connections
   std::unordered_map<std::string, std::set<uint64_t>> live;
+  // group -> serial -> who and since when, for stats() and the disconnect line
+  std::unordered_map<std::string, std::map<uint64_t, LiveConnection>> peers;
   // group -> the last serial given; kept while the group may get connections (Export::exclusive
   // compares against it), dropped when the group is closed for good.
   std::unordered_map<std::string, uint64_t> last_serial;
@@ -359,6 +380,13 @@ struct Server::Impl final : ConnectionRegistry {
     if (it != live.end()) {
       it->second.erase(serial);
       if (it->second.empty()) live.erase(it);
+    }
+    if (auto p = peers.find(group); p != peers.end()) {
+      if (auto c = p->second.find(serial); c != p->second.end()) {
+        spdlog::info("nbd: {} disconnected from {}", c->second.peer, group);
+        p->second.erase(c);
+      }
+      if (p->second.empty()) peers.erase(p);
     }
     --open_connections;
     changed.notify_all();
@@ -495,6 +523,11 @@ void Server::Impl::handshake(int fd, bool tcp, const std::string& key) {
       }
     }
     live[group].insert(serial);
+    LiveConnection& shown = peers[group][serial];
+    shown.peer = describe_endpoint(peer);
+    shown.since = std::chrono::system_clock::now();
+    shown.serial = serial;
+    spdlog::info("nbd: {} connected to {}", shown.peer, group);
     // Posted under the lock, so a close_group() that follows is queued after it.
     workers[next_worker++ % workers.size()]->adopt(relayed ? plain[0] : fd, std::move(*session));
     if (relayed) relays.insert(secure.get());
@@ -632,7 +665,10 @@ void Server::stop() {
     s.changed.wait(lock, [&] { return s.handshakes == 0; });
   }
   for (auto& w : s.workers) w->stop();
-  s.workers.clear();
+  {
+    std::lock_guard lock(s.mutex);  // stats() reads the workers under it
+    s.workers.clear();
+  }
   // The workers closed their side of every relay; a relay still sending to a client that does
   // not read is cut off.
   std::unique_lock lock(s.mutex);
@@ -665,6 +701,8 @@ void Server::close_group(const std::string& group) {
     impl_->last_serial.erase(group);
   }
   drain_group(group);
+  std::lock_guard lock(impl_->mutex);
+  for (auto& w : impl_->workers) w->forget_counters(group);
 }
 
 void Server::Impl::supersede(const std::string& group, uint64_t serial) {
@@ -725,6 +763,32 @@ size_t Server::connections(const std::string& group) const {
   std::lock_guard lock(impl_->mutex);
   auto it = impl_->live.find(group);
   return it == impl_->live.end() ? 0 : it->second.size();
+}
+
+}  // namespace shareblk::target
+
+namespace shareblk::target {
+
+std::vector<GroupStats> Server::stats() const {
+  const Impl& s = *impl_;
+  std::unordered_map<std::string, IoStats> io;
+  std::map<std::string, GroupStats> groups;  // by name, so the order is stable
+  std::lock_guard lock(s.mutex);
+  for (const auto& w : s.workers) w->collect(io);
+  for (auto& [group, figures] : io) {
+    GroupStats& g = groups[group];
+    g.group = group;
+    g.io = std::move(figures);
+  }
+  for (const auto& [group, connections] : s.peers) {
+    GroupStats& g = groups[group];
+    g.group = group;
+    for (const auto& [serial, c] : connections) g.connections.push_back(c);
+  }
+  std::vector<GroupStats> out;
+  out.reserve(groups.size());
+  for (auto& [group, g] : groups) out.push_back(std::move(g));
+  return out;
 }
 
 }  // namespace shareblk::target

@@ -8,6 +8,7 @@
 
 #include <sys/types.h>
 
+#include <array>
 #include <chrono>
 #include <cstdint>
 #include <memory>
@@ -30,6 +31,7 @@ struct TlsPeer {
 struct Peer {
   enum class Transport : uint8_t { Unix, Tcp };
   std::string address;  // TCP: the client's IP address as text; empty for a Unix socket
+  uint16_t port = 0;    // TCP: the client's port
   Transport transport = Transport::Unix;
   // Unix: the connecting process's credentials (SO_PEERCRED), when the kernel gave them.
   std::optional<uid_t> uid;
@@ -47,6 +49,49 @@ struct Peer {
 
 // The peer for log lines: "tcp 192.0.2.1" or "unix pid 42 uid 1000".
 std::string describe(const Peer& peer);
+// One connection's peer, with the TCP port: "tcp 192.0.2.1:40312" or "unix pid 42 uid 1000".
+std::string describe_endpoint(const Peer& peer);
+
+// Since-start I/O figures of one connection group (an attachment, or a standalone export),
+// summed over the workers: what the `stats` method and /metrics show (docs/metrics.md).
+struct IoStats {
+  enum Kind : uint8_t { Read, Write, Trim, WriteZeroes, Flush, BlockStatus, Cache, kKinds };
+  // "read", "write", "trim", "write_zeroes", "flush", "block_status", "cache".
+  static const char* kind_name(size_t kind);
+  // How `errors` are shown: "EPERM", "EIO", ...; the number for one without a name.
+  static std::string errno_name(int err);
+  // Latency histogram: bucket i counts requests answered within 2^i microseconds (and more
+  // than the bucket before); the last one counts those slower than 2^(kBuckets-2) us (~16 s).
+  static constexpr size_t kBuckets = 26;
+  struct Op {
+    uint64_t requests = 0;  // answered, with or without an error
+    uint64_t bytes = 0;     // the length of those answered without an error
+    uint64_t errors = 0;    // answered with an error
+    uint64_t time_ns = 0;   // from header parsed to reply queued, all of them together
+    std::array<uint64_t, kBuckets> latency{};
+  };
+  std::array<Op, kKinds> ops{};
+  // Writes, trims and write-zeroes answered EPERM: a read-only attachment, or no write access.
+  uint64_t refused_writes = 0;
+  // Requests answered with an error, by errno (ascending; those seen only). An unknown command
+  // has no kind and counts here only.
+  std::vector<std::pair<int, uint64_t>> errors;
+
+  IoStats& operator+=(const IoStats& other);
+};
+
+// A connection in its transmission phase.
+struct LiveConnection {
+  std::string peer;  // describe_endpoint()
+  std::chrono::system_clock::time_point since;
+  uint64_t serial = 0;  // the how-manieth of its group (Session::serial)
+};
+
+struct GroupStats {
+  std::string group;
+  IoStats io;
+  std::vector<LiveConnection> connections;  // oldest first
+};
 
 // What an export name resolves to.
 struct Export {
@@ -199,6 +244,11 @@ class Server {
 
   // Live connections of `group` (in transmission phase).
   size_t connections(const std::string& group) const;
+
+  // Every group's I/O figures since start and its live connections; groups with neither are
+  // left out. A group closed for good (close_group) starts again from zero. Any thread; the
+  // workers are not stopped or waited for.
+  std::vector<GroupStats> stats() const;
 
   struct Impl;
 

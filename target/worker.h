@@ -5,13 +5,16 @@
 #include <sys/uio.h>
 
 #include <array>
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <functional>
 #include <future>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <thread>
+#include <unordered_map>
 #include <unordered_set>
 #include <vector>
 
@@ -58,6 +61,44 @@ class BufferPool {
 class Worker;
 class Connection;
 
+// Whether requests are counted (target/CMakeLists.txt, SHAREBLK_IO_STATS): off only to
+// measure what counting costs (bench/io-stats).
+#ifndef SHAREBLK_IO_STATS
+#define SHAREBLK_IO_STATS 1
+#endif
+inline constexpr bool kCountRequests = SHAREBLK_IO_STATS != 0;
+
+// A count written by one thread and read by any: a relaxed load and store, never a
+// read-modify-write, so counting takes no locked instruction and TSan sees no race.
+class OwnedCounter {
+ public:
+  void add(uint64_t n) {
+    value_.store(value_.load(std::memory_order_relaxed) + n, std::memory_order_relaxed);
+  }
+  uint64_t get() const { return value_.load(std::memory_order_relaxed); }
+
+ private:
+  std::atomic<uint64_t> value_{0};
+};
+
+// One group's request counts on one worker, written only by that worker's thread
+// (IoStats says what each means).
+struct GroupCounters {
+  struct Op {
+    OwnedCounter requests, bytes, errors, time_ns;
+    std::array<OwnedCounter, IoStats::kBuckets> latency;
+  };
+  std::array<Op, IoStats::kKinds> ops;
+  OwnedCounter refused_writes;
+  // Linux's errno values are below 134; the last slot counts any other.
+  static constexpr int kErrnoSlots = 134;
+  std::array<OwnedCounter, kErrnoSlots + 1> by_errno;
+
+  // One answered request; `kind` kKinds when the command has none.
+  void record(IoStats::Kind kind, uint64_t bytes, int err, std::chrono::nanoseconds took);
+  void add_to(IoStats& into) const;
+};
+
 // One NBD request from header to reply.
 struct Request final : backend::IoRequest {
   // A structured reply is at most this many chunks (reads with holes), and a block status
@@ -68,6 +109,7 @@ struct Request final : backend::IoRequest {
   static constexpr size_t kMaxIov = 2 * kMaxChunks + 1;
 
   Connection* conn = nullptr;
+  std::chrono::steady_clock::time_point received;  // its header came in (latency)
   uint64_t cookie = 0;
   uint16_t type = 0;
   uint16_t nbd_flags = 0;
@@ -147,13 +189,15 @@ class Connection {
   int fd_;
   Session session_;
   backend::Handle handle_;
+  GroupCounters& counters_;  // its group's, on this worker
 
   // Received bytes not yet parsed live in rbuf_[rpos_, rend_).
   static constexpr size_t kRecvBufferSize = 64 * 1024;
   std::unique_ptr<char[]> rbuf_;
   size_t rpos_ = 0;
   size_t rend_ = 0;
-  Request* payload_for_ = nullptr;  // a WRITE whose payload is still arriving
+  std::chrono::steady_clock::time_point received_at_;  // when the last bytes came in
+  Request* payload_for_ = nullptr;                     // a WRITE whose payload is still arriving
   uint32_t payload_got_ = 0;
   // A refused WRITE is answered once its payload has been read and dropped: a reply that
   // overtakes the request it answers makes clients (libnbd) drop the connection.
@@ -244,6 +288,14 @@ class Worker {
   Request* get_request();
   void put_request(Request* r);
   void connection_finished(Connection* c);
+
+  // The counters of `group`'s connections on this worker, made at its first connection. Worker
+  // thread only.
+  GroupCounters& counters_for(const std::string& group);
+  // Adds this worker's counts into `into`, by group. Any thread.
+  void collect(std::unordered_map<std::string, IoStats>& into) const;
+  // Drops `group`'s counters once it is closed for good (its connections are gone).
+  void forget_counters(const std::string& group);
   // Connections with replies to send once the current batch of completions is handled.
   void schedule_flush(Connection* c) { flushes_.push_back(c); }
   void cancel_flush(Connection* c);
@@ -290,6 +342,10 @@ class Worker {
   std::mutex mutex_;
   std::vector<std::function<void(Worker&)>> tasks_;
   std::unordered_set<Connection*> connections_;
+  // Made and dropped by the worker thread, read by collect(): the lock guards the map, not the
+  // counts (OwnedCounter), and is never taken per request.
+  mutable std::mutex counters_mutex_;
+  std::unordered_map<std::string, std::unique_ptr<GroupCounters>> counters_;
   std::vector<Request*> free_requests_;
   std::vector<Connection*> flushes_;
   std::vector<Connection*> flushing_;
