@@ -14,6 +14,7 @@
 #include <thread>
 
 #include "control/admission.h"
+#include "text/iso_time.h"
 
 namespace shareblk::control {
 
@@ -47,16 +48,7 @@ std::string new_uuid() {
 }
 
 std::string now_iso() {
-  auto now = std::chrono::system_clock::now();
-  auto us = std::chrono::duration_cast<std::chrono::microseconds>(now.time_since_epoch()).count();
-  std::time_t secs = static_cast<std::time_t>(us / 1000000);
-  std::tm tm{};
-  gmtime_r(&secs, &tm);
-  char buf[96];
-  std::snprintf(buf, sizeof buf, "%04d-%02d-%02dT%02d:%02d:%02d.%06dZ", tm.tm_year + 1900,
-                tm.tm_mon + 1, tm.tm_mday, tm.tm_hour, tm.tm_min, tm.tm_sec,
-                static_cast<int>(us % 1000000));
-  return buf;
+  return iso8601_utc(std::chrono::system_clock::now());
 }
 
 void crash_point(const char* point) {
