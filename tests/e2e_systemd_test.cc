@@ -218,18 +218,8 @@ class ActivatedDaemon {
   }
   int wait(seconds timeout) {
     if (pid_ <= 0) return status_;
-    const auto deadline = std::chrono::steady_clock::now() + timeout;
-    int status = 0;
-    while (::waitpid(pid_, &status, WNOHANG) == 0) {
-      if (std::chrono::steady_clock::now() > deadline) {
-        ::kill(pid_, SIGKILL);
-        ::waitpid(pid_, &status, 0);
-        break;
-      }
-      std::this_thread::sleep_for(milliseconds(5));
-    }
+    status_ = st::wait_exit(pid_, timeout);
     pid_ = -1;
-    status_ = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
     return status_;
   }
   std::string log() const {

@@ -118,19 +118,9 @@ int Nbdkit::stop(int sig) {
     }
   }
   ::kill(pid_, sig);
-  int status = 0;
-  const auto deadline = std::chrono::steady_clock::now() + seconds(30);
-  while (::waitpid(pid_, &status, WNOHANG) == 0) {
-    if (std::chrono::steady_clock::now() > deadline) {
-      ::kill(pid_, SIGKILL);
-      ::waitpid(pid_, &status, 0);
-      break;
-    }
-    std::this_thread::sleep_for(milliseconds(5));
-  }
+  const int status = wait_exit(pid_, seconds(30));
   pid_ = -1;
-  if (WIFEXITED(status)) return WEXITSTATUS(status);
-  return WIFSIGNALED(status) ? 128 + WTERMSIG(status) : -1;
+  return status;
 }
 
 std::string Nbdkit::log() const {

@@ -178,21 +178,26 @@ Daemon::~Daemon() {
   stop(SIGTERM);
 }
 
-int Daemon::stop(int sig) {
-  if (pid_ <= 0) return -1;
-  ::kill(pid_, sig);
+int wait_exit(pid_t pid, std::chrono::seconds timeout) {
   int status = 0;
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
-  while (::waitpid(pid_, &status, WNOHANG) == 0) {
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  while (::waitpid(pid, &status, WNOHANG) == 0) {
     if (std::chrono::steady_clock::now() > deadline) {
-      ::kill(pid_, SIGKILL);
-      ::waitpid(pid_, &status, 0);
+      ::kill(pid, SIGKILL);
+      ::waitpid(pid, &status, 0);
       break;
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(5));
   }
-  pid_ = -1;
   return decode_status(status);
+}
+
+int Daemon::stop(int sig) {
+  if (pid_ <= 0) return -1;
+  ::kill(pid_, sig);
+  const int status = wait_exit(pid_, std::chrono::seconds(30));
+  pid_ = -1;
+  return status;
 }
 
 std::string Daemon::log() const {

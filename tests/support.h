@@ -57,6 +57,10 @@ struct RunResult {
 RunResult run(const std::vector<std::string>& argv,
               std::chrono::seconds timeout = std::chrono::seconds(120));
 
+// Waits for child `pid` to exit, at most `timeout`, then kills it (SIGKILL) and reaps it. Its
+// exit status as in RunResult.
+int wait_exit(pid_t pid, std::chrono::seconds timeout);
+
 // A shareblkd child process. Waits until `ready_socket` accepts connections.
 class Daemon {
  public:
