@@ -19,6 +19,17 @@ namespace {
 using Json = nlohmann::json;
 constexpr uint64_t kMiB = 1 << 20;
 
+struct NbdHandle {
+  explicit NbdHandle(const std::string& uri) : h(nbd_create()) {
+    ok = h != nullptr && nbd_set_strict_mode(h, 0) == 0 && nbd_connect_uri(h, uri.c_str()) == 0;
+  }
+  ~NbdHandle() {
+    if (h) nbd_close(h);
+  }
+  nbd_handle* h;
+  bool ok = false;
+};
+
 class LvmStore : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -83,22 +94,25 @@ class LvmStore : public ::testing::Test {
   std::string physical_bytes(const std::string& id, uint64_t logical, size_t length) {
     return vg_->read("volume-" + id, logical, length);
   }
+  // A detached 96 MiB volume with `secret` written and flushed at 80 MiB, what a delete must
+  // zero: its id, and its extents in `map`.
+  void detached_volume_with(const std::string& secret, std::string& id,
+                            std::vector<LoopVolumeGroup::Range>& map) {
+    id = create("big", "96M")["id"];
+    {
+      NbdHandle rw(attach(id, "host", "rw"));
+      ASSERT_TRUE(rw.ok) << nbd_get_error();
+      ASSERT_EQ(nbd_pwrite(rw.h, secret.data(), secret.size(), 80 * kMiB, 0), 0);
+      ASSERT_EQ(nbd_flush(rw.h, 0), 0);
+    }
+    map = ranges(id);
+    rpc_ok(socket(), "volume_detach", {{"volume_id", id}});
+  }
 
   TempDir dir_;
   std::string vg_name_;
   std::unique_ptr<LoopVolumeGroup> vg_;
   std::unique_ptr<Daemon> daemon_;
-};
-
-struct NbdHandle {
-  explicit NbdHandle(const std::string& uri) : h(nbd_create()) {
-    ok = h != nullptr && nbd_set_strict_mode(h, 0) == 0 && nbd_connect_uri(h, uri.c_str()) == 0;
-  }
-  ~NbdHandle() {
-    if (h) nbd_close(h);
-  }
-  nbd_handle* h;
-  bool ok = false;
 };
 
 std::string pattern(size_t length, int seed) {
@@ -266,16 +280,10 @@ TEST(LvmStoreStartup, MissingVolumeGroupIsAClearError) {
 TEST_F(LvmStore, DeleteZeroesInTheBackgroundWhileOtherVolumesGoOn) {
   daemon_.reset();
   start({"SHAREBLK_TEST_JOB_PAUSE_MS=1000"});
-  const std::string id = create("big", "96M")["id"];
   const std::string secret = pattern(kMiB, 11);
-  {
-    NbdHandle rw(attach(id, "host", "rw"));
-    ASSERT_TRUE(rw.ok) << nbd_get_error();
-    ASSERT_EQ(nbd_pwrite(rw.h, secret.data(), secret.size(), 80 * kMiB, 0), 0);
-    ASSERT_EQ(nbd_flush(rw.h, 0), 0);
-  }
-  std::vector<LoopVolumeGroup::Range> map = ranges(id);
-  rpc_ok(socket(), "volume_detach", {{"volume_id", id}});
+  std::string id;
+  std::vector<LoopVolumeGroup::Range> map;
+  ASSERT_NO_FATAL_FAILURE(detached_volume_with(secret, id, map));
 
   const auto before = std::chrono::steady_clock::now();
   Json started = rpc_ok(socket(), "volume_delete", {{"volume_id", id}});
@@ -342,16 +350,10 @@ TEST_F(LvmStore, VolumeFilledFromAnImageHoldsItsBytesOnTheMappedExtents) {
 TEST_F(LvmStore, DeleteKilledMidZeroingIsFinishedByTheNextStart) {
   daemon_.reset();
   start({"SHAREBLK_TEST_KILL_AT=volume_delete:zeroing"});
-  const std::string id = create("big", "96M")["id"];
   const std::string secret = pattern(kMiB, 13);
-  {
-    NbdHandle rw(attach(id, "host", "rw"));
-    ASSERT_TRUE(rw.ok) << nbd_get_error();
-    ASSERT_EQ(nbd_pwrite(rw.h, secret.data(), secret.size(), 80 * kMiB, 0), 0);
-    ASSERT_EQ(nbd_flush(rw.h, 0), 0);
-  }
-  std::vector<LoopVolumeGroup::Range> map = ranges(id);
-  rpc_ok(socket(), "volume_detach", {{"volume_id", id}});
+  std::string id;
+  std::vector<LoopVolumeGroup::Range> map;
+  ASSERT_NO_FATAL_FAILURE(detached_volume_with(secret, id, map));
   try {  // the daemon may die before it answers
     rpc(socket(), "volume_delete", {{"volume_id", id}});
   } catch (const std::exception&) {
