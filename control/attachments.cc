@@ -303,15 +303,20 @@ Json Service::volume_detach(const std::string& volume_id,
 }
 
 Json Service::attachment_list(const std::string& volume_id) {
-  Database::Transaction tx(db_);
-  if (!volume_id.empty()) find_volume(tx, volume_id);
-  Json out = Json::array();
+  std::vector<AttachmentRow> attachments;
   std::map<std::string, VolumeRow> volumes;
-  for (const AttachmentRow& a : tx.attachments(volume_id)) {
-    auto it = volumes.find(a.volume_id);
-    if (it == volumes.end()) it = volumes.emplace(a.volume_id, find_volume(tx, a.volume_id)).first;
-    out.push_back(attachment_json(a, it->second));
+  {
+    Database::Transaction tx(db_);
+    if (volume_id.empty()) {
+      for (VolumeRow& v : tx.volumes()) volumes.emplace(v.id, std::move(v));
+    } else {
+      volumes.emplace(volume_id, find_volume(tx, volume_id));
+    }
+    attachments = tx.attachments(volume_id);
   }
+  Json out = Json::array();
+  for (const AttachmentRow& a : attachments)
+    out.push_back(attachment_json(a, volumes.at(a.volume_id)));
   return out;
 }
 

@@ -1,12 +1,88 @@
 #include "control/db.h"
 
+#include <fcntl.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <cerrno>
 #include <cstring>
 #include <memory>
 
 namespace shareblk::control {
+
+// A prepared statement: from the connection's cache (Database::statements_; parsing costs more
+// than running most of these), reset and unbound on scope exit; or, when that SQL is already
+// in use further up the stack, one of its own.
+class Statement {
+ public:
+  // One of its own, finalized on scope exit (the migration's: its tables change under it).
+  Statement(sqlite3* db, const std::string& sql) : db_(db) {
+    if (sqlite3_prepare_v2(db_, sql.c_str(), -1, &stmt_, nullptr) != SQLITE_OK) fail();
+  }
+  Statement(Database& db, const std::string& sql) : db_(db.db_) {
+    auto [it, added] = db.statements_.try_emplace(sql);
+    if (added || it->second.in_use) {
+      sqlite3_stmt* fresh = nullptr;
+      if (sqlite3_prepare_v3(db_, sql.c_str(), -1, added ? SQLITE_PREPARE_PERSISTENT : 0, &fresh,
+                             nullptr) != SQLITE_OK) {
+        if (added) db.statements_.erase(it);
+        fail();
+      }
+      if (added) {
+        it->second.stmt = fresh;
+      } else {
+        stmt_ = fresh;
+        return;
+      }
+    }
+    cached_ = &it->second;
+    cached_->in_use = true;
+    stmt_ = cached_->stmt;
+  }
+  ~Statement() {
+    if (cached_ == nullptr) {
+      sqlite3_finalize(stmt_);
+      return;
+    }
+    sqlite3_reset(stmt_);
+    sqlite3_clear_bindings(stmt_);
+    cached_->in_use = false;
+  }
+  Statement(const Statement&) = delete;
+  Statement& operator=(const Statement&) = delete;
+
+  Statement& bind(int i, const std::string& v) {
+    check(sqlite3_bind_text(stmt_, i, v.data(), static_cast<int>(v.size()), SQLITE_TRANSIENT));
+    return *this;
+  }
+  Statement& bind(int i, int64_t v) {
+    check(sqlite3_bind_int64(stmt_, i, v));
+    return *this;
+  }
+  // True while there is a row.
+  bool step() {
+    int rc = sqlite3_step(stmt_);
+    if (rc == SQLITE_ROW) return true;
+    if (rc != SQLITE_DONE) fail();
+    return false;
+  }
+  std::string text(int col) const {
+    const auto* p = sqlite3_column_text(stmt_, col);
+    return p ? std::string(reinterpret_cast<const char*>(p)) : std::string();
+  }
+  int64_t integer(int col) const { return sqlite3_column_int64(stmt_, col); }
+
+ private:
+  void check(int rc) {
+    if (rc != SQLITE_OK) fail();
+  }
+  [[noreturn]] void fail() {
+    throw DbError(std::string("sqlite: ") + sqlite3_errmsg(db_), sqlite3_errcode(db_) & 0xff);
+  }
+  sqlite3* db_;
+  Database::CachedStatement* cached_ = nullptr;
+  sqlite3_stmt* stmt_ = nullptr;
+};
 
 namespace {
 
@@ -74,48 +150,6 @@ std::string attachment_table(const char* name) {
   sql.replace(sql.find("%s"), 2, name);
   return sql;
 }
-
-// A prepared statement, finalized on scope exit.
-class Statement {
- public:
-  Statement(sqlite3* db, const char* sql) : db_(db) {
-    if (sqlite3_prepare_v2(db, sql, -1, &stmt_, nullptr) != SQLITE_OK) fail();
-  }
-  ~Statement() { sqlite3_finalize(stmt_); }
-  Statement(const Statement&) = delete;
-  Statement& operator=(const Statement&) = delete;
-
-  Statement& bind(int i, const std::string& v) {
-    check(sqlite3_bind_text(stmt_, i, v.data(), static_cast<int>(v.size()), SQLITE_TRANSIENT));
-    return *this;
-  }
-  Statement& bind(int i, int64_t v) {
-    check(sqlite3_bind_int64(stmt_, i, v));
-    return *this;
-  }
-  // True while there is a row.
-  bool step() {
-    int rc = sqlite3_step(stmt_);
-    if (rc == SQLITE_ROW) return true;
-    if (rc != SQLITE_DONE) fail();
-    return false;
-  }
-  std::string text(int col) const {
-    const auto* p = sqlite3_column_text(stmt_, col);
-    return p ? std::string(reinterpret_cast<const char*>(p)) : std::string();
-  }
-  int64_t integer(int col) const { return sqlite3_column_int64(stmt_, col); }
-
- private:
-  void check(int rc) {
-    if (rc != SQLITE_OK) fail();
-  }
-  [[noreturn]] void fail() {
-    throw DbError(std::string("sqlite: ") + sqlite3_errmsg(db_), sqlite3_errcode(db_) & 0xff);
-  }
-  sqlite3* db_;
-  sqlite3_stmt* stmt_ = nullptr;
-};
 
 constexpr const char* kVolumeColumns =
     "id, name, size, multiattach, bootable, created_at, writer_policy, writer, "
@@ -207,16 +241,44 @@ Database::Database(const std::string& path) {
       }
     }
     exec("PRAGMA journal_mode=WAL");
-    exec("PRAGMA synchronous=FULL");
+    // A commit writes the WAL; make_durable() syncs it, once for every commit before it (the
+    // group commit of docs/state.md). SQLite itself still syncs around each checkpoint.
+    exec("PRAGMA synchronous=NORMAL");
     exec("PRAGMA foreign_keys=ON");
+    wal_path_ = path + "-wal";
   } catch (...) {
     // Closing the last connection would checkpoint a leftover WAL (a killed daemon's) into
     // the file: a database this release refuses is left exactly as it was.
     sqlite3_db_config(db_, SQLITE_DBCONFIG_NO_CKPT_ON_CLOSE, 1, nullptr);
-    sqlite3_close(db_);
-    db_ = nullptr;
+    close();
     throw;
   }
+}
+
+void Database::close() {
+  for (auto& [sql, cached] : statements_) sqlite3_finalize(cached.stmt);
+  statements_.clear();
+  sqlite3_close(db_);
+  db_ = nullptr;
+  // After SQLite's own descriptors: closing a descriptor drops the process's POSIX locks on
+  // that file (SQLite keeps none on the WAL, but its descriptors go first all the same).
+  if (wal_fd_ >= 0) ::close(wal_fd_);
+  wal_fd_ = -1;
+}
+
+void Database::make_durable(uint64_t commit) {
+  if (synced_.load(std::memory_order_acquire) >= commit) return;
+  std::lock_guard lock(sync_mutex_);
+  if (synced_.load(std::memory_order_relaxed) >= commit) return;  // synced while we waited
+  // Every commit counted so far has its frames written into the WAL: one sync covers them all.
+  const uint64_t covered = committed_.load(std::memory_order_acquire);
+  if (wal_fd_ < 0) wal_fd_ = ::open(wal_path_.c_str(), O_RDONLY | O_CLOEXEC);
+  if (wal_fd_ < 0 || ::fdatasync(wal_fd_) != 0) {
+    const int err = errno;
+    throw DbError("sqlite: cannot sync " + wal_path_ + ": " + std::strerror(err),
+                  err == ENOSPC || err == EDQUOT ? SQLITE_FULL : SQLITE_IOERR);
+  }
+  synced_.store(covered, std::memory_order_release);
 }
 
 int Database::user_version() {
@@ -289,7 +351,7 @@ void Database::migrate(const std::string& path) {
 }
 
 Database::~Database() {
-  sqlite3_close(db_);
+  close();
 }
 
 void Database::backup_into(const std::string& path) {
@@ -323,35 +385,48 @@ void Database::exec(const char* sql) {
   }
 }
 
-Database::Transaction::Transaction(Database& db) : db_(db), lock_(db.mutex_) {
-  db_.exec("BEGIN IMMEDIATE");
+Database::Transaction::Transaction(Database& db)
+    : db_(db), lock_(db.mutex_), seen_(db.committed_.load(std::memory_order_relaxed)) {
+  Statement(db_, "BEGIN IMMEDIATE").step();
 }
 
 Database::Transaction::~Transaction() {
-  if (!done_) {
-    try {
-      db_.exec("ROLLBACK");
-    } catch (const DbError&) {  // nothing more to do: the transaction is gone either way
-    }
+  if (done_) return;
+  try {
+    Statement(db_, "ROLLBACK").step();
+  } catch (const DbError&) {  // nothing more to do: the transaction is gone either way
+  }
+  lock_.unlock();
+  // What it read was committed; its caller replies only once that is on disk too.
+  try {
+    db_.make_durable(seen_);
+  } catch (const DbError&) {  // the commit that wrote it has reported this failure
   }
 }
 
 void Database::Transaction::commit() {
-  db_.exec("COMMIT");
+  Statement(live(), "COMMIT").step();
   done_ = true;
+  const uint64_t mine = db_.committed_.fetch_add(1, std::memory_order_acq_rel) + 1;
+  lock_.unlock();  // others may commit while this one is synced, and share its sync
+  db_.make_durable(mine);
+}
+
+Database& Database::Transaction::live() {
+  if (!lock_.owns_lock()) throw std::logic_error("a database transaction used after its commit");
+  return db_;
 }
 
 std::vector<VolumeRow> Database::Transaction::volumes() {
-  Statement s(
-      db_.db_,
-      (std::string("SELECT ") + kVolumeColumns + " FROM volumes ORDER BY created_at, id").c_str());
+  Statement s(live(),
+              std::string("SELECT ") + kVolumeColumns + " FROM volumes ORDER BY created_at, id");
   std::vector<VolumeRow> rows;
   while (s.step()) rows.push_back(volume_from(s));
   return rows;
 }
 
 std::optional<VolumeRow> Database::Transaction::volume(const std::string& id) {
-  Statement s(db_.db_,
+  Statement s(live(),
               (std::string("SELECT ") + kVolumeColumns + " FROM volumes WHERE id = ?").c_str());
   s.bind(1, id);
   if (!s.step()) return std::nullopt;
@@ -359,9 +434,9 @@ std::optional<VolumeRow> Database::Transaction::volume(const std::string& id) {
 }
 
 void Database::Transaction::insert_volume(const VolumeRow& v) {
-  Statement s(db_.db_, (std::string("INSERT INTO volumes (") + kVolumeColumns +
-                        ") VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)")
-                           .c_str());
+  Statement s(live(), (std::string("INSERT INTO volumes (") + kVolumeColumns +
+                       ") VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)")
+                          .c_str());
   s.bind(1, v.id).bind(2, v.name).bind(3, static_cast<int64_t>(v.size));
   s.bind(4, int64_t{v.multiattach}).bind(5, int64_t{v.bootable}).bind(6, v.created_at);
   s.bind(7, std::string(to_string(v.writer_policy))).bind(8, v.writer);
@@ -370,7 +445,7 @@ void Database::Transaction::insert_volume(const VolumeRow& v) {
 }
 
 void Database::Transaction::update_volume(const VolumeRow& v) {
-  Statement s(db_.db_,
+  Statement s(live(),
               "UPDATE volumes SET name = ?, size = ?, multiattach = ?, bootable = ?, "
               "writer_policy = ?, writer = ?, fencing_generation = ?, writer_since = ? "
               "WHERE id = ?");
@@ -382,10 +457,10 @@ void Database::Transaction::update_volume(const VolumeRow& v) {
 }
 
 void Database::Transaction::delete_volume(const std::string& id) {
-  Statement a(db_.db_, "DELETE FROM volume_attachment WHERE volume_id = ?");
+  Statement a(live(), "DELETE FROM volume_attachment WHERE volume_id = ?");
   a.bind(1, id);
   a.step();
-  Statement v(db_.db_, "DELETE FROM volumes WHERE id = ?");
+  Statement v(live(), "DELETE FROM volumes WHERE id = ?");
   v.bind(1, id);
   v.step();
 }
@@ -394,7 +469,7 @@ std::vector<AttachmentRow> Database::Transaction::attachments(const std::string&
   std::string sql = std::string("SELECT ") + kAttachmentColumns + " FROM volume_attachment";
   if (!volume_id.empty()) sql += " WHERE volume_id = ?";
   sql += " ORDER BY created_at, id";
-  Statement s(db_.db_, sql.c_str());
+  Statement s(live(), sql.c_str());
   if (!volume_id.empty()) s.bind(1, volume_id);
   std::vector<AttachmentRow> rows;
   while (s.step()) rows.push_back(attachment_from(s));
@@ -402,7 +477,7 @@ std::vector<AttachmentRow> Database::Transaction::attachments(const std::string&
 }
 
 std::optional<AttachmentRow> Database::Transaction::attachment(const std::string& id) {
-  Statement s(db_.db_,
+  Statement s(live(),
               (std::string("SELECT ") + kAttachmentColumns + " FROM volume_attachment WHERE id = ?")
                   .c_str());
   s.bind(1, id);
@@ -412,24 +487,24 @@ std::optional<AttachmentRow> Database::Transaction::attachment(const std::string
 
 std::optional<AttachmentRow> Database::Transaction::attachment_by_export(
     const std::string& export_name) {
-  Statement s(db_.db_, (std::string("SELECT ") + kAttachmentColumns +
-                        " FROM volume_attachment WHERE export_name = ?")
-                           .c_str());
+  Statement s(live(), (std::string("SELECT ") + kAttachmentColumns +
+                       " FROM volume_attachment WHERE export_name = ?")
+                          .c_str());
   s.bind(1, export_name);
   if (!s.step()) return std::nullopt;
   return attachment_from(s);
 }
 
 void Database::Transaction::insert_attachment(const AttachmentRow& a) {
-  Statement s(db_.db_, (std::string("INSERT INTO volume_attachment (") + kAttachmentColumns +
-                        ") VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)")
-                           .c_str());
+  Statement s(live(), (std::string("INSERT INTO volume_attachment (") + kAttachmentColumns +
+                       ") VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)")
+                          .c_str());
   bind_attachment(s, a);
   s.step();
 }
 
 void Database::Transaction::update_attachment(const AttachmentRow& a) {
-  Statement s(db_.db_,
+  Statement s(live(),
               "UPDATE volume_attachment SET id = ?, volume_id = ?, instance_uuid = ?, "
               "attached_host = ?, mode = ?, attach_status = ?, attach_time = ?, detach_time = ?, "
               "connector = ?, export_name = ?, created_at = ?, write_access_since = ? "
@@ -439,16 +514,16 @@ void Database::Transaction::update_attachment(const AttachmentRow& a) {
 }
 
 std::vector<IntentRow> Database::Transaction::intents() {
-  Statement s(db_.db_, (std::string("SELECT ") + kIntentColumns +
-                        " FROM volume_intent ORDER BY created_at, volume_id")
-                           .c_str());
+  Statement s(live(), (std::string("SELECT ") + kIntentColumns +
+                       " FROM volume_intent ORDER BY created_at, volume_id")
+                          .c_str());
   std::vector<IntentRow> rows;
   while (s.step()) rows.push_back(intent_from(s));
   return rows;
 }
 
 std::optional<IntentRow> Database::Transaction::intent(const std::string& volume_id) {
-  Statement s(db_.db_,
+  Statement s(live(),
               (std::string("SELECT ") + kIntentColumns + " FROM volume_intent WHERE volume_id = ?")
                   .c_str());
   s.bind(1, volume_id);
@@ -457,7 +532,7 @@ std::optional<IntentRow> Database::Transaction::intent(const std::string& volume
 }
 
 void Database::Transaction::put_intent(const IntentRow& i) {
-  Statement s(db_.db_,
+  Statement s(live(),
               "INSERT OR REPLACE INTO volume_intent (volume_id, action, error, created_at) "
               "VALUES (?, ?, ?, ?)");
   s.bind(1, i.volume_id).bind(2, std::string(to_string(i.action))).bind(3, i.error);
@@ -466,7 +541,7 @@ void Database::Transaction::put_intent(const IntentRow& i) {
 }
 
 void Database::Transaction::delete_intent(const std::string& volume_id) {
-  Statement s(db_.db_, "DELETE FROM volume_intent WHERE volume_id = ?");
+  Statement s(live(), "DELETE FROM volume_intent WHERE volume_id = ?");
   s.bind(1, volume_id);
   s.step();
 }

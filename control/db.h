@@ -1,20 +1,24 @@
 // Internal to control/: the SQLite state (volumes, the volume_attachment table, and the
 // volume_intent table of creates and deletes under way).
 //
-// One connection, used under one mutex; every change is committed (WAL, synchronous=FULL)
-// before the caller replies, so a kill -9 loses nothing that was acknowledged. The schema
+// One connection, used under one mutex; every change is committed and its WAL synced to disk
+// before the caller replies, so neither a kill -9 nor a power cut loses what was acknowledged.
+// Commits made while a sync runs share the next one (group commit), so that many callers at
+// once are not held to one disk flush each. A reply never shows what is not yet on disk. The schema
 // carries its version in PRAGMA user_version; opening migrates an older database forward in one
 // transaction and refuses a newer one without changing it (docs/state.md).
 #pragma once
 
 #include <sqlite3.h>
 
+#include <atomic>
 #include <cstdint>
 #include <mutex>
 #include <optional>
 #include <stdexcept>
 #include <string>
 #include <string_view>
+#include <unordered_map>
 #include <vector>
 
 #include "backend/backend.h"
@@ -97,13 +101,16 @@ class Database {
   // rollback-journal database, synced. Throws DbError (disk_full() when the file system is).
   void backup_into(const std::string& path);
 
-  // All access goes through a Transaction, which holds the database mutex.
+  // All access goes through a Transaction, which holds the database mutex until it commits
+  // or ends. Both return once what it wrote, or read, is on disk.
   class Transaction {
    public:
     explicit Transaction(Database& db);
     ~Transaction();  // rolls back unless committed
     Transaction(const Transaction&) = delete;
     Transaction& operator=(const Transaction&) = delete;
+    // Commits and waits for the sync that covers it. Throws DbError; if the sync fails (the
+    // commit then stands, unsynced), disk_full() tells ENOSPC. The transaction is done after.
     void commit();
 
     std::vector<VolumeRow> volumes();
@@ -124,18 +131,34 @@ class Database {
     void delete_intent(const std::string& volume_id);
 
    private:
+    Database& live();  // db_, while the transaction is open
     Database& db_;
-    std::lock_guard<std::mutex> lock_;
+    std::unique_lock<std::mutex> lock_;
+    uint64_t seen_;  // the commits before it, which it may have read
     bool done_ = false;
   };
 
  private:
   friend class Transaction;
+  friend class Statement;
+  struct CachedStatement {
+    sqlite3_stmt* stmt = nullptr;
+    bool in_use = false;
+  };
   void exec(const char* sql);
   int user_version();
   void migrate(const std::string& path);
+  void close();
+  // Returns once commit number `commit` (and all before it) is on disk; throws DbError.
+  void make_durable(uint64_t commit);
   sqlite3* db_ = nullptr;
   std::mutex mutex_;
+  std::unordered_map<std::string, CachedStatement> statements_;  // under mutex_
+  std::atomic<uint64_t> committed_{0};  // commits so far; written under mutex_
+  std::mutex sync_mutex_;               // one sync at a time
+  std::atomic<uint64_t> synced_{0};     // commits known on disk
+  std::string wal_path_;
+  int wal_fd_ = -1;  // opened at the first sync, under sync_mutex_
 };
 
 }  // namespace shareblk::control

@@ -160,11 +160,12 @@ class Service {
   static AttachmentRow find_attachment(Database::Transaction& tx, const std::string& id);
   // views.cc
   Json volume_json(Database::Transaction& tx, const VolumeRow& v);
-  // With the volume's intent already looked up (volume_list looks them all up at once).
-  Json volume_json(Database::Transaction& tx, const VolumeRow& v,
+  // From rows already read (volume_list reads them all at once, and builds the JSON after its
+  // transaction: other calls need not wait for that).
+  Json volume_json(const VolumeRow& v, const std::vector<AttachmentRow>& attachments,
                    const std::optional<IntentRow>& intent);
   Json attachment_json(const AttachmentRow& a, const VolumeRow& v);
-  Json connection_info(const AttachmentRow& a, const VolumeRow& v);
+  Json connection_info(const AttachmentRow& a, const VolumeRow& v, const Json& connector);
 
   Database db_;
   VolumeRegistry volumes_;

@@ -17,9 +17,8 @@ std::string volume_status(const std::vector<AttachmentRow>& attachments) {
   return "available";
 }
 
-Json Service::connection_info(const AttachmentRow& a, const VolumeRow& v) {
-  if (!is_serving(a.attach_status) || a.connector.empty()) return nullptr;
-  const Json connector = Json::parse(a.connector);
+Json Service::connection_info(const AttachmentRow& a, const VolumeRow& v, const Json& connector) {
+  if (!is_serving(a.attach_status) || connector.is_null()) return nullptr;
   const std::string transport = connector.value("transport", "tcp");
   const std::string mode(to_string(a.mode));
   if (transport == "fuse") {
@@ -53,6 +52,8 @@ Json Service::connection_info(const AttachmentRow& a, const VolumeRow& v) {
 
 Json Service::attachment_json(const AttachmentRow& a, const VolumeRow& v) {
   auto or_null = [](const std::string& s) { return s.empty() ? Json(nullptr) : Json(s); };
+  Json connector = a.connector.empty() ? Json(nullptr) : Json::parse(a.connector);
+  Json info = connection_info(a, v, connector);
   return Json{{"id", a.id},
               {"volume_id", a.volume_id},
               {"instance_uuid", a.instance_uuid},
@@ -61,20 +62,19 @@ Json Service::attachment_json(const AttachmentRow& a, const VolumeRow& v) {
               {"attach_status", to_string(a.attach_status)},
               {"attach_time", or_null(a.attach_time)},
               {"detach_time", or_null(a.detach_time)},
-              {"connector", a.connector.empty() ? Json(nullptr) : Json::parse(a.connector)},
-              {"connection_info", connection_info(a, v)},
+              {"connector", std::move(connector)},
+              {"connection_info", std::move(info)},
               {"connections", exports_.connections(a.id)},
               {"write_access", may_write(a, v)},
               {"write_access_since", or_null(a.write_access_since)}};
 }
 
 Json Service::volume_json(Database::Transaction& tx, const VolumeRow& v) {
-  return volume_json(tx, v, tx.intent(v.id));
+  return volume_json(v, tx.attachments(v.id), tx.intent(v.id));
 }
 
-Json Service::volume_json(Database::Transaction& tx, const VolumeRow& v,
+Json Service::volume_json(const VolumeRow& v, const std::vector<AttachmentRow>& all,
                           const std::optional<IntentRow>& intent) {
-  std::vector<AttachmentRow> all = tx.attachments(v.id);
   Json attachments = Json::array();
   for (const auto& a : all) {
     if (is_live(a.attach_status)) attachments.push_back(attachment_json(a, v));
@@ -102,7 +102,7 @@ Json Service::volume_json(Database::Transaction& tx, const VolumeRow& v,
               {"writer", v.writer.empty() ? Json(nullptr) : Json(v.writer)},
               {"fencing_generation", v.fencing_generation},
               {"writer_since", v.writer_since.empty() ? Json(nullptr) : Json(v.writer_since)},
-              {"attachments", attachments}};
+              {"attachments", std::move(attachments)}};
 }
 
 }  // namespace shareblk::control

@@ -137,14 +137,22 @@ std::optional<ApiError> Service::fill(const VolumeRow& v, const std::string& ima
 }
 
 Json Service::volume_list() {
-  Database::Transaction tx(db_);
+  std::vector<VolumeRow> volumes;
+  std::map<std::string, std::vector<AttachmentRow>> attachments;
+  std::map<std::string, IntentRow> intents;  // almost always none
+  {
+    Database::Transaction tx(db_);  // three queries, whatever the number of volumes
+    volumes = tx.volumes();
+    for (AttachmentRow& a : tx.attachments()) attachments[a.volume_id].push_back(std::move(a));
+    for (IntentRow& i : tx.intents()) intents.emplace(i.volume_id, std::move(i));
+  }
   Json out = Json::array();
-  std::map<std::string, IntentRow> intents;  // almost always none: one query, not one a volume
-  for (IntentRow& i : tx.intents()) intents.emplace(i.volume_id, std::move(i));
-  for (const VolumeRow& v : tx.volumes()) {
-    auto it = intents.find(v.id);
-    out.push_back(volume_json(
-        tx, v, it == intents.end() ? std::nullopt : std::optional<IntentRow>(it->second)));
+  const std::vector<AttachmentRow> none;
+  for (const VolumeRow& v : volumes) {
+    auto a = attachments.find(v.id);
+    auto i = intents.find(v.id);
+    out.push_back(volume_json(v, a == attachments.end() ? none : a->second,
+                              i == intents.end() ? std::nullopt : std::optional(i->second)));
   }
   return out;
 }
