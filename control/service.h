@@ -114,6 +114,7 @@ class Service {
   void set_max_subscribers(size_t n) { exports_.set_max_subscribers(n); }
   // For tests.
   size_t volume_lock_count() const { return volumes_.lock_count(); }
+  size_t running_job_count() const { return jobs_.running(); }
   size_t subscriber_count() const { return exports_.subscriber_count(); }
   // NBD clients refused since start: names that are no live export; and clients refused a
   // live export by its connector's binding (transport, ip, uid).

@@ -77,6 +77,13 @@ void VolumeJobs::stop_all() {
   changed_.notify_all();
 }
 
+size_t VolumeJobs::running() const {
+  std::lock_guard lock(mutex_);
+  size_t n = 0;
+  for (const auto& [id, job] : jobs_) n += job.finished ? 0 : 1;
+  return n;
+}
+
 void VolumeJobs::reap() {
   for (auto it = jobs_.begin(); it != jobs_.end();) {
     if (it->second.finished) {

@@ -42,6 +42,8 @@ class VolumeJobs {
   // Waits until the volume has no running job; returns why the last one failed, if it did.
   std::optional<ApiError> wait(const std::string& volume_id);
   bool stopping() const;
+  // Jobs whose work has not finished (the fuzzer waits for none before it cleans up).
+  size_t running() const;
   // Tells every job to stop and waits for their threads.
   void stop_all();
 

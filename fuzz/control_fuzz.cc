@@ -319,12 +319,7 @@ void clean_up(const Made& made) {
   Environment& env = environment();
   env.store.clear_failures();
   // A volume_delete returns before its backing is gone (a job finishes it): wait for those.
-  for (int tries = 0;; ++tries) {
-    bool busy = false;
-    for (const Json& v : call("volume_list", Json::object())) {
-      busy = busy || v["status"] == "deleting" || v["status"] == "creating";
-    }
-    if (!busy) break;
+  for (int tries = 0; env.service->running_job_count() != 0; ++tries) {
     if (tries == 10000) fail("a volume's job never finished");
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
   }
