@@ -519,7 +519,7 @@ void Connection::send_more() {
   worker_.schedule_flush(this);
 }
 
-void Connection::flush() {
+void Connection::flush(bool with_others) {
   flush_scheduled_ = false;
   if (send_pending_ || sendq_head_ == nullptr || broken_) return;
   int n = 0;
@@ -531,15 +531,17 @@ void Connection::flush() {
   }
   send_msg_.msg_iov = send_iov_;
   send_msg_.msg_iovlen = static_cast<size_t>(n);
-  const ssize_t sent = ::sendmsg(fd_, &send_msg_, MSG_DONTWAIT | MSG_NOSIGNAL);
-  if (sent < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
-    worker_.ring().sendmsg(fd_, &send_msg_, &send_done_);  // sent when there is room
-    send_pending_ = true;
-    send_posted_ = std::chrono::steady_clock::now();
-    worker_.send_queued();
-    return;
+  if (!with_others) {
+    const ssize_t sent = ::sendmsg(fd_, &send_msg_, MSG_DONTWAIT | MSG_NOSIGNAL);
+    if (sent >= 0 || (errno != EAGAIN && errno != EWOULDBLOCK)) {
+      on_sent(sent < 0 ? -errno : static_cast<int>(sent));  // may delete this
+      return;
+    }
   }
-  on_sent(sent < 0 ? -errno : static_cast<int>(sent));  // may delete this
+  worker_.ring().sendmsg(fd_, &send_msg_, &send_done_);  // sent when there is room
+  send_pending_ = true;
+  send_posted_ = std::chrono::steady_clock::now();
+  worker_.send_queued();
 }
 
 void Connection::on_sent(int res) {

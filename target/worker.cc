@@ -149,12 +149,18 @@ void Worker::run(std::promise<std::error_code>* started) {
       spdlog::error("worker: io_uring wait failed: {}", std::strerror(-rc));
       break;
     }
-    // One sendmsg per connection for all the replies this batch produced. A flush can
+    // One send per connection for all the replies this batch produced. A flush can
     // schedule another (a short send), and a connection can close and leave the list.
+    // Each send wakes a client, and a client woken by a syscall of ours preempts this thread
+    // when that syscall returns: one sendmsg per connection would cost every connection of
+    // the batch a context switch (bench/PROFILE.md, "Many initiators"). So one connection
+    // sends at once (the QD1 latency), several go to the ring and leave in one
+    // io_uring_enter.
     while (!flushes_.empty()) {
       flushing_.swap(flushes_);
+      const bool with_others = flushing_.size() > 1;
       for (size_t i = 0; i < flushing_.size(); ++i) {
-        if (Connection* c = flushing_[i]) c->flush();
+        if (Connection* c = flushing_[i]) c->flush(with_others);
       }
       flushing_.clear();
     }

@@ -146,8 +146,10 @@ class Connection {
   void finish_request(Request* r, int err);
   void on_recv(int res);
   void on_sent(int res);
-  // Sends the queued replies; called by the worker after a batch of completions.
-  void flush();
+  // Sends the queued replies; called by the worker after a batch of completions. Alone in
+  // the batch, with one sendmsg now; `with_others`, as an io_uring operation that the
+  // worker's next io_uring_enter submits with the other connections' (see worker.cc).
+  void flush(bool with_others);
   // Reads requests again after waiting for the worker's payload budget.
   void resume();
   // True when a send has waited for room in the socket since before `since`: the client has
