@@ -112,10 +112,10 @@ Work work_of(const IoRequest& r) {
 //     the hop cost about half of the server's CPU per request);
 //   - whole-page writes without FUA to the page cache (--buffered). ext4 has no non-blocking
 //     buffered write, so io_uring punts every one, and to a single io-wq thread per file
-//     (writes to one inode are serialized there): with the hop, 4 KiB random writes cost
-//     8.7 µs of the server's CPU each, 5.7 µs without, and ran 0.56x as fast
-//     (bench/PROFILE.md, "Page-cache mode, 1 MiB sequential"). A partial page may have to be
-//     read from the disk first, and FUA waits for it: those stay on io_uring.
+//     (writes to one inode are serialized there): with the hop, 4 KiB random writes took
+//     1.5-2.2x the server's CPU and ran at 0.56-0.66x the speed (bench/PROFILE.md,
+//     "Page-cache mode, 1 MiB sequential"). A partial page may have to be read from the disk
+//     first, and FUA waits for it: those stay on io_uring.
 //     What may still wait here is the kernel's dirty-page throttling, which would hold the
 //     io-wq thread, and with it every write to the file, just the same.
 // Page-cache reads stay on io_uring, which copies what is cached without a thread and waits
