@@ -3,6 +3,7 @@
 #include <liburing.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
@@ -103,6 +104,30 @@ namespace {
 Work work_of(const IoRequest& r) {
   return Work{r.op, r.flags, r.offset, r.length, r.buf};
 }
+
+// Steps that are a copy between the request's buffer and the page cache which io_uring cannot
+// do without blocking, and would hand to an io-wq thread: a hop there and back per step. Those
+// that cannot wait for a device are cheaper run here, on the ring's thread:
+//   - every read and write of a volume in memory (see Volume::in_memory(); tmpfs 4 KiB reads:
+//     the hop cost about half of the server's CPU per request);
+//   - whole-page writes without FUA to the page cache (--buffered). ext4 has no non-blocking
+//     buffered write, so io_uring punts every one, and to a single io-wq thread per file
+//     (writes to one inode are serialized there): with the hop, 4 KiB random writes took
+//     1.5-2.2x the server's CPU and ran at 0.56-0.66x the speed (bench/PROFILE.md,
+//     "Page-cache mode, 1 MiB sequential"). A partial page may have to be read from the disk
+//     first, and FUA waits for it: those stay on io_uring.
+//     What may still wait here is the kernel's dirty-page throttling while a writer outruns
+//     the disk: on io-wq it held that file's writes, here it holds the worker's other
+//     connections too (README, "The page cache").
+// Page-cache reads stay on io_uring, which copies what is cached without a thread and waits
+// for the rest without one.
+bool copies_inline(const Volume& v, const Step& step) {
+  if (!step.in_request_buffer) return false;
+  if (v.in_memory()) return true;
+  static const uint64_t page_mask = static_cast<uint64_t>(::sysconf(_SC_PAGESIZE)) - 1;
+  return !v.is_direct() && step.call == Syscall::Write && step.mode == 0 &&
+         ((step.offset | step.length) & page_mask) == 0;
+}
 }  // namespace
 
 void Ring::submit(const Handle& handle, IoRequest* request) {
@@ -126,9 +151,7 @@ void Ring::start(IoRequest* r) {
     return;
   }
   const auto length = static_cast<unsigned>(step.length);  // a request is at most 4 GiB
-  if (v.in_memory() && step.in_request_buffer) {
-    // See Volume::in_memory(): a copy here beats a hop to an io-wq thread and back (tmpfs
-    // 4 KiB reads: that hop cost about half of the server's CPU per request).
+  if (copies_inline(v, step)) {
     const iovec iov{step.data, length};
     const auto pos = static_cast<off_t>(step.offset);
     const ssize_t n = step.call == Syscall::Read ? ::preadv2(step.fd, &iov, 1, pos, 0)

@@ -957,6 +957,62 @@ TEST_F(TmpfsTest, RingIoStaysOnTheCallingThread) {
   EXPECT_EQ(pread_file(path_, 4096, 4096), std::string(4096, '\x5a'));
 }
 
+// --buffered on a disk's file system: whole-page writes go into the page cache on the ring's
+// thread. ext4 cannot write there without blocking, so io_uring would punt each one to a
+// single io-wq thread for the file (4 KiB random writes: half the server's CPU on the hop).
+// Partial pages and FUA may wait for the disk and stay on io_uring; all must land.
+TEST_F(BackendTest, PageCacheWritesStayOnTheCallingThread) {
+  std::error_code ec;
+  auto buffered = Volume::open(path_, ec, backend::OpenOptions{.direct = false});
+  ASSERT_TRUE(buffered) << ec.message();
+  ASSERT_FALSE(buffered->is_direct());
+  const Handle h(buffered, AttachMode::ReadWrite);
+  const std::string data = pattern(kSize, 31);
+  std::thread([&] {
+    backend::Ring ring(64, ec);
+    ASSERT_FALSE(ec) << ec.message();
+    AlignedBuffer buf(kSize);
+    std::memcpy(buf.data(), data.data(), kSize);
+    std::vector<RecordingRequest> requests;
+    requests.reserve(64);
+    for (uint32_t i = 0; i < 64; ++i) {  // every other page, from the end: random-looking
+      const uint64_t at = kSize - 8192 * uint64_t{i + 1};
+      requests.push_back(make_request(Op::Write, at, 4096, buf.data() + at));
+    }
+    std::vector<RecordingRequest*> all;
+    for (RecordingRequest& r : requests) {
+      ring.submit(h, &r);
+      all.push_back(&r);
+    }
+    ASSERT_TRUE(pump(ring, all));
+    for (const RecordingRequest& r : requests) EXPECT_EQ(r.err, 0);
+    EXPECT_EQ(io_worker_threads(), 0) << "page-cache writes went through io-wq worker threads";
+
+    // A partial page and a FUA write (these may use io-wq), and a read of what landed.
+    RecordingRequest partial = make_request(Op::Write, 4096 + 100, 1000, buf.data() + 4096 + 100);
+    RecordingRequest fua = make_request(Op::Write, 8192, 8192, buf.data() + 8192, backend::kFua);
+    ring.submit(h, &partial);
+    ring.submit(h, &fua);
+    ASSERT_TRUE(pump(ring, {&partial, &fua}));
+    EXPECT_EQ(partial.err, 0);
+    EXPECT_EQ(fua.err, 0);
+    std::string expected(kSize, '\xab');
+    for (uint32_t i = 0; i < 64; ++i) {
+      const uint64_t at = kSize - 8192 * uint64_t{i + 1};
+      expected.replace(at, 4096, data, at, 4096);
+    }
+    expected.replace(4096 + 100, 1000, data, 4096 + 100, 1000);
+    expected.replace(8192, 8192, data, 8192, 8192);
+    std::memset(buf.data(), 0, kSize);
+    RecordingRequest back = make_request(Op::Read, 0, kSize, buf.data());
+    ring.submit(h, &back);
+    ASSERT_TRUE(pump(ring, {&back}));
+    ASSERT_EQ(back.err, 0);
+    EXPECT_TRUE(std::string(buf.data(), kSize) == expected) << "the volume's bytes differ";
+  }).join();
+  EXPECT_EQ(on_disk(kSize - 8192, 4096), data.substr(kSize - 8192, 4096));
+}
+
 TEST_F(TmpfsTest, WriteZeroesWithNoHoleFallsBackToWriting) {
   // tmpfs has no FALLOC_FL_ZERO_RANGE, so the zeroes are written, more than one zero buffer's
   // worth here, with a ragged end.

@@ -1,10 +1,11 @@
 """Measuring: the data, one fio run, and the idle-connection count.
 
 Contract: `ensure_backing` makes (once) the random, fully allocated backing file.
-`run_fio` drops the page cache, runs one fio job against one server (or `local`), and
-returns a `Result` with throughput, latency, server CPU per I/O (from /proc, all threads
-and children), the page cache the run left and the disk's queue depth; it never raises for
-a failed run, it sets `Result.error`. `idle_connections` measures a fresh shareblkd's RSS
+`run_fio` drops the page cache (for a page-cache server, after reading the backing file
+once), runs one fio job against one server (or `local`), and returns a `Result` with
+throughput, latency, server CPU per I/O (from /proc, all threads and children), the page
+cache the run left and the disk's queue depth; it never raises for a failed run, it sets
+`Result.error`. `idle_connections` measures a fresh shareblkd's RSS
 growth for 256 idle connections. Nothing here decides what is compared.
 """
 
@@ -20,6 +21,7 @@ from typing import TYPE_CHECKING
 from .context import MIB, Context, Result, human_size, log
 from .nbd import NbdError, nbd_close, nbd_open
 from .procs import StartError, descendants, run_cmd, vm_rss_kib
+from .servers import SERVERS
 from .servers import EXPORT, FRONTENDS, Server
 
 if TYPE_CHECKING:  # jobs imports this module
@@ -83,6 +85,22 @@ def drop_caches(ctx: Context) -> None:
             msg = f"cannot drop the page cache ({e.strerror}); results are with a warm cache"
             log("WARNING: " + msg)
             ctx.notes.append(msg)
+
+
+def settle_page_cache(ctx: Context) -> None:
+    """Reads the backing file once through the page cache, so that the drop_caches after it
+    frees as much memory as a page-cache run can fill. A page-cache run after one that cached
+    little (an O_DIRECT server, a 4k write job) otherwise filled the page cache with memory this
+    VM's balloon had given back to the host, and the first copy out of each page cost 3-8x the
+    CPU: 1M sequential reads at 320-460 MiB/s, whichever server it was (bench/PROFILE.md,
+    "Page-cache mode, 1 MiB sequential"). This makes such runs rarer, not impossible."""
+    buf = bytearray(MIB)
+    try:
+        with open(ctx.backing, "rb", buffering=0) as f:
+            while f.readinto(buf):
+                pass
+    except OSError as e:
+        log(f"WARNING: cannot read {ctx.backing} ahead of a run: {e.strerror}")
 
 
 def load_fio_json(path: Path) -> dict:
@@ -186,6 +204,8 @@ def run_fio(ctx: Context, job: Job, target, transport: str, rnd: int) -> Result:
     if target != "local" and not target.alive():
         res.error = "server is not running"
         return res
+    if not job.tmpfs and SERVERS.get(name, ("",))[0] == "cache":
+        settle_page_cache(ctx)
     drop_caches(ctx)
     out.unlink(missing_ok=True)
     ticks0 = kids0 = None
