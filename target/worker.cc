@@ -165,6 +165,7 @@ void Worker::run(std::promise<std::error_code>* started) {
       }
       resuming_.clear();
     }
+    if (!qos_timers_.empty()) resume_qos_waiters();
     if (watching()) cut_off_stalled_clients();
   }
   pool_.use_ring(nullptr);
@@ -175,6 +176,27 @@ void Worker::run(std::promise<std::error_code>* started) {
 // request's payload is still to come, does the worker wake up now and then to look for
 // clients that stopped taking their replies or sending their payload.
 int Worker::wait_timeout_ms() const {
+  int timeout = stall_check_ms();
+  if (!qos_timers_.empty()) {
+    // Rounded up: waking before the time would find the tokens not yet there.
+    const auto until = qos_timers_.begin()->first - std::chrono::steady_clock::now();
+    const auto ms =
+        std::max<int64_t>(0, std::chrono::ceil<std::chrono::milliseconds>(until).count());
+    timeout = timeout < 0 ? static_cast<int>(ms) : std::min<int>(timeout, static_cast<int>(ms));
+  }
+  return timeout;
+}
+
+void Worker::resume_qos_waiters() {
+  const auto now = std::chrono::steady_clock::now();
+  while (!qos_timers_.empty() && qos_timers_.begin()->first <= now) {
+    Connection* c = qos_timers_.begin()->second;
+    qos_timers_.erase(qos_timers_.begin());
+    c->qos_resume();  // may wait again, or close
+  }
+}
+
+int Worker::stall_check_ms() const {
   if (!watching()) return -1;
   int64_t shortest = INT64_MAX;
   if (watching_sends()) shortest = send_timeout_.count();
@@ -185,7 +207,7 @@ int Worker::wait_timeout_ms() const {
 void Worker::cut_off_stalled_clients() {
   const auto now = std::chrono::steady_clock::now();
   if (now < next_stall_check_) return;
-  next_stall_check_ = now + std::chrono::milliseconds(wait_timeout_ms());
+  next_stall_check_ = now + std::chrono::milliseconds(stall_check_ms());
   const bool sends = watching_sends();
   const bool payloads = watching_payloads();
   std::vector<std::pair<Connection*, bool>> stalled;  // true: its payload stalled
