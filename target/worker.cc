@@ -149,6 +149,9 @@ void Worker::run(std::promise<std::error_code>* started) {
       spdlog::error("worker: io_uring wait failed: {}", std::strerror(-rc));
       break;
     }
+    // Requests QoS held whose time has come start before the replies go out: one served
+    // inline (a volume in memory) has its reply in this batch, not after the next wakeup.
+    if (kQos && !qos_timers_.empty()) resume_qos_waiters();
     // One sendmsg per connection for all the replies this batch produced. A flush can
     // schedule another (a short send), and a connection can close and leave the list.
     while (!flushes_.empty()) {
@@ -165,7 +168,6 @@ void Worker::run(std::promise<std::error_code>* started) {
       }
       resuming_.clear();
     }
-    if (!qos_timers_.empty()) resume_qos_waiters();
     if (watching()) cut_off_stalled_clients();
   }
   pool_.use_ring(nullptr);
