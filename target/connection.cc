@@ -399,7 +399,7 @@ void Connection::dispatch(Request* r) {
   // Without a limit on the attachment or its volume this one test is all QoS costs. While
   // requests wait, later ones queue behind them, whatever they are: a connection's requests
   // start in the order they came.
-  if (qos_.engaged() || qos_head_ != nullptr) [[unlikely]] {
+  if (kQos && (qos_.engaged() || qos_head_ != nullptr)) [[unlikely]] {
     qos_hold(r);
     return;
   }

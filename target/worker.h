@@ -72,6 +72,12 @@ using QosTimers = std::multimap<std::chrono::steady_clock::time_point, Connectio
 #define SHAREBLK_IO_STATS 1
 #endif
 inline constexpr bool kCountRequests = SHAREBLK_IO_STATS != 0;
+// Whether QoS limits are enforced (target/CMakeLists.txt, SHAREBLK_QOS): off only to measure
+// what the test for a limit costs when there is none (bench/qos-cost).
+#ifndef SHAREBLK_QOS
+#define SHAREBLK_QOS 1
+#endif
+inline constexpr bool kQos = SHAREBLK_QOS != 0;
 
 // A count written by one thread and read by any: a relaxed load and store, never a
 // read-modify-write, so counting takes no locked instruction and TSan sees no race.
