@@ -51,6 +51,25 @@ po::options_description connector_options() {
   return d;
 }
 
+// --qos KEY=VALUE,...: a `qos` object (docs/qos.md); "" is `{}`, which clears the limits.
+// Values go as numbers when they are digits, else as given, for the daemon to refuse by key.
+Json qos_from(const std::string& text) {
+  Json qos = Json::object();
+  size_t start = 0;
+  while (start < text.size()) {
+    size_t end = text.find(',', start);
+    if (end == std::string::npos) end = text.size();
+    const std::string item = text.substr(start, end - start);
+    const size_t eq = item.find('=');
+    if (eq == std::string::npos || eq == 0) {
+      throw UsageError("--qos takes KEY=VALUE,... (e.g. total_iops_sec=2000), not '" + item + "'");
+    }
+    qos[item.substr(0, eq)] = size_value(item.substr(eq + 1));
+    start = end + 1;
+  }
+  return qos;
+}
+
 Json volume_id_only(const std::vector<std::string>& args) {
   return Json{{"volume_id", get(parse(args, {}, {"volume_id"}), "volume_id")}};
 }
@@ -62,14 +81,15 @@ Json attachment_id_only(const std::vector<std::string>& args) {
 // VOLUME and ATTACHMENT arguments take an id, a unique prefix of one, or (a volume) its name.
 const Command kCommands[] = {
     {"volume-create", "volume_create",
-     "NAME SIZE [--multiattach] [--bootable] [--writer-policy multi|single] | NAME [SIZE] "
-     "--from-image FILE [--no-wait]",
+     "NAME SIZE [--multiattach] [--bootable] [--writer-policy multi|single] [--qos "
+     "KEY=VALUE,...] | NAME [SIZE] --from-image FILE [--no-wait]",
      "Creates a volume of SIZE (bytes, or with a K/M/G/T suffix in powers of 1024), or one\n"
      "filled from a raw or qcow2 image on the daemon's host (at least the image's virtual size;\n"
      "a progress bar until it is filled, unless --no-wait).\n"
      "  --multiattach          several live attachments at once\n"
      "  --bootable             marks it bootable (the policy may forbid sharing it)\n"
      "  --writer-policy single at most one attachment writes at a time (volume-takeover)\n"
+     "  --qos KEY=VALUE,...    QoS limits of all its attachments together (docs/qos.md)\n"
      "examples:\n"
      "  shareblk volume-create data 10G --multiattach\n"
      "  shareblk volume-create quorum 64M --multiattach --writer-policy single\n"
@@ -77,7 +97,8 @@ const Command kCommands[] = {
      [](const std::vector<std::string>& args) {
        po::options_description d;
        d.add_options()("multiattach", po::bool_switch())("bootable", po::bool_switch())(
-           "writer-policy", po::value<std::string>())("from-image", po::value<std::string>());
+           "writer-policy", po::value<std::string>())("from-image", po::value<std::string>())(
+           "qos", po::value<std::string>());
        po::positional_options_description pos;
        d.add_options()("name", po::value<std::string>()->required(), "")(
            "size", po::value<std::string>(), "");
@@ -96,6 +117,7 @@ const Command kCommands[] = {
          throw UsageError("volume-create needs SIZE, or --from-image");
        }
        if (vm.count("writer-policy")) p["writer_policy"] = get(vm, "writer-policy");
+       if (vm.count("qos")) p["qos"] = qos_from(get(vm, "qos"));
        return p;
      },
      View::Volume},
@@ -126,16 +148,20 @@ const Command kCommands[] = {
      View::Volume},
     {"volume-update", "volume_update",
      "VOLUME [--name N] [--multiattach true|false] [--bootable true|false] [--writer-policy "
-     "multi|single]",
-     "Renames a volume or changes its flags.\nexamples:\n"
+     "multi|single] [--qos KEY=VALUE,...]",
+     "Renames a volume or changes its flags, or its QoS limits (every attachment together;\n"
+     "live, and --qos '' clears them).\nexamples:\n"
      "  shareblk volume-update data --name data-old\n"
-     "  shareblk volume-update data --writer-policy single",
+     "  shareblk volume-update data --writer-policy single\n"
+     "  shareblk volume-update data --qos total_iops_sec=5000,total_bytes_sec=104857600",
      [](const std::vector<std::string>& args) {
        po::options_description d;
        d.add_options()("name", po::value<std::string>())("multiattach", po::value<bool>())(
-           "bootable", po::value<bool>())("writer-policy", po::value<std::string>());
+           "bootable", po::value<bool>())("writer-policy", po::value<std::string>())(
+           "qos", po::value<std::string>());
        auto vm = parse(args, d, {"volume_id"});
        Json p{{"volume_id", get(vm, "volume_id")}};
+       if (vm.count("qos")) p["qos"] = qos_from(get(vm, "qos"));
        if (vm.count("writer-policy")) p["writer_policy"] = get(vm, "writer-policy");
        if (vm.count("name")) p["name"] = get(vm, "name");
        if (vm.count("multiattach")) p["multiattach"] = vm["multiattach"].as<bool>();
@@ -167,21 +193,29 @@ const Command kCommands[] = {
      },
      View::Attachment},
     {"attachment-update", "attachment_update",
-     "ATTACHMENT (--connector-host H [--transport unix|tcp] [--ip IP] | --mode rw|ro)",
-     "Gives a reservation its connector, or changes a live attachment's mode (its clients\n"
-     "reconnect and see the new mode).\nexamples:\n"
+     "ATTACHMENT (--connector-host H [--transport unix|tcp] [--ip IP] | --mode rw|ro | --qos "
+     "KEY=VALUE,...)",
+     "Gives a reservation its connector, changes a live attachment's mode (its clients\n"
+     "reconnect and see the new mode), or its QoS limits (live, no reconnect; --qos ''\n"
+     "clears them).\nexamples:\n"
      "  shareblk attachment-update 9c1e --connector-host node-a\n"
-     "  shareblk attachment-update 9c1e --mode ro",
+     "  shareblk attachment-update 9c1e --mode ro\n"
+     "  shareblk attachment-update 9c1e --qos read_iops_sec=2000,write_iops_sec=1000",
      [](const std::vector<std::string>& args) {
        po::options_description d = connector_options();
-       d.add_options()("mode", po::value<std::string>());
+       d.add_options()("mode", po::value<std::string>())("qos", po::value<std::string>());
        auto vm = parse(args, d, {"attachment_id"});
        Json c = connector_from(vm);
-       if (vm.count("mode") && c.is_null()) {
-         return Json{{"attachment_id", get(vm, "attachment_id")}, {"mode", get(vm, "mode")}};
+       const int given = int{!c.is_null()} + int{vm.count("mode") > 0} + int{vm.count("qos") > 0};
+       if (given != 1) {
+         throw UsageError("attachment-update needs exactly one of --connector-host, --mode, --qos");
        }
-       if (c.is_null() || vm.count("mode")) {
-         throw UsageError("attachment-update needs --connector-host or --mode, not both");
+       if (vm.count("qos")) {
+         return Json{{"attachment_id", get(vm, "attachment_id")},
+                     {"qos", qos_from(get(vm, "qos"))}};
+       }
+       if (vm.count("mode")) {
+         return Json{{"attachment_id", get(vm, "attachment_id")}, {"mode", get(vm, "mode")}};
        }
        return Json{{"attachment_id", get(vm, "attachment_id")}, {"connector", c}};
      },

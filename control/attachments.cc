@@ -147,6 +147,7 @@ Json Service::attachment_create(const AttachmentSpec& spec) {
   } catch (...) {
     exports_.unmount(a.id);  // never a mount the database does not know of
     exports_.forget_write_access(a.id);
+    qos_.forget_attachment(a.id);
     throw;
   }
   spdlog::info("control: attachment {} of volume {} for {} ({}, {}{})", a.id, v.id,
@@ -186,6 +187,24 @@ Json Service::attachment_update(const std::string& id, const Json* connector_par
     throw;
   }
   return attachment_json(a, v);
+}
+
+Json Service::attachment_qos(const std::string& id, const target::QosSpec& spec) {
+  const std::string volume_id = volume_of(id);
+  const VolumeLock lock = volumes_.lock(volume_id);
+  Database::Transaction tx(db_);
+  AttachmentRow a = find_attachment(tx, id);
+  const VolumeRow v = find_volume(tx, volume_id);
+  if (a.attach_status == AttachStatus::Detached) {
+    throw ApiError("invalid_state", "attachment " + id + " is detached");
+  }
+  a.qos = qos_text(spec);
+  tx.update_attachment(a);
+  Json out = attachment_json(a, v);
+  tx.commit();
+  // Its connections take it from their next request on.
+  qos_.set_attachment(a.id, volume_id, spec, v.qos);
+  return out;
 }
 
 Json Service::attachment_complete(const std::string& id) {
@@ -258,6 +277,7 @@ Json Service::detach(const std::string& volume_id, const std::string& attachment
   journal_.clear(a.id);
   exports_.forget_revoked(a.id);
   exports_.forget_write_access(a.id);
+  qos_.forget_attachment(a.id);
   if (lazy) out["unmounted_lazily"] = true;
   spdlog::info("control: attachment {} of volume {} detached", a.id, volume_id);
   if (was_writer) {

@@ -86,8 +86,8 @@ class Statement {
 
 namespace {
 
-// The tables as version 3 has them. Version 0 (0.1.0) had no CHECK on attach_status; version
-// 1 had no volume_intent; version 2 had no writer columns (kWriterColumns).
+// The tables as version 4 has them. Version 0 (0.1.0) had no CHECK on attach_status; version
+// 1 had no volume_intent; version 2 had no writer columns (kWriterColumns), 3 no qos (kQosColumns).
 const char* kVolumesTable = R"sql(
 CREATE TABLE volumes (
   id          TEXT PRIMARY KEY,
@@ -112,6 +112,12 @@ const char* kWriterColumns[] = {
     "ALTER TABLE volume_attachment ADD COLUMN write_access_since TEXT NOT NULL DEFAULT ''",
     "UPDATE volume_attachment SET write_access_since = created_at "
     "WHERE mode = 'rw' AND attach_status != 'detached'",
+};
+
+// 3 → 4: QoS specs (docs/qos.md), JSON text; '' for none.
+const char* kQosColumns[] = {
+    "ALTER TABLE volumes ADD COLUMN qos TEXT NOT NULL DEFAULT ''",
+    "ALTER TABLE volume_attachment ADD COLUMN qos TEXT NOT NULL DEFAULT ''",
 };
 
 // `%s` is the table's name: the migration builds it under a new name first.
@@ -153,13 +159,14 @@ std::string attachment_table(const char* name) {
 
 constexpr const char* kVolumeColumns =
     "id, name, size, multiattach, bootable, created_at, writer_policy, writer, "
-    "fencing_generation, writer_since";
-// The attachment table's columns up to version 2; version 3 added write_access_since.
+    "fencing_generation, writer_since, qos";
+// The attachment table's columns up to version 2; version 3 added write_access_since, 4 qos.
 #define SHAREBLK_ATTACHMENT_COLUMNS_V1                                              \
   "id, volume_id, instance_uuid, attached_host, mode, attach_status, attach_time, " \
   "detach_time, connector, export_name, created_at"
 constexpr const char* kAttachmentColumnsV1 = SHAREBLK_ATTACHMENT_COLUMNS_V1;
-constexpr const char* kAttachmentColumns = SHAREBLK_ATTACHMENT_COLUMNS_V1 ", write_access_since";
+constexpr const char* kAttachmentColumns =
+    SHAREBLK_ATTACHMENT_COLUMNS_V1 ", write_access_since, qos";
 #undef SHAREBLK_ATTACHMENT_COLUMNS_V1
 
 VolumeRow volume_from(const Statement& s) {
@@ -169,6 +176,7 @@ VolumeRow volume_from(const Statement& s) {
   v.writer = s.text(7);
   v.fencing_generation = static_cast<uint64_t>(s.integer(8));
   v.writer_since = s.text(9);
+  v.qos = s.text(10);
   return v;
 }
 
@@ -187,6 +195,7 @@ AttachmentRow attachment_from(const Statement& s) {
   a.export_name = s.text(9);
   a.created_at = s.text(10);
   a.write_access_since = s.text(11);
+  a.qos = s.text(12);
   return a;
 }
 
@@ -203,7 +212,7 @@ void bind_attachment(Statement& s, const AttachmentRow& a) {
   s.bind(5, std::string(to_string(a.mode))).bind(6, std::string(to_string(a.attach_status)));
   s.bind(7, a.attach_time).bind(8, a.detach_time);
   s.bind(9, a.connector).bind(10, a.export_name).bind(11, a.created_at);
-  s.bind(12, a.write_access_since);
+  s.bind(12, a.write_access_since).bind(13, a.qos);
 }
 
 }  // namespace
@@ -334,6 +343,9 @@ void Database::migrate(const std::string& path) {
     if (fresh || version < 3) {
       for (const char* sql : kWriterColumns) exec(sql);
     }
+    if (fresh || version < 4) {
+      for (const char* sql : kQosColumns) exec(sql);
+    }
     {  // step 10 of SQLite's table rebuild: the copy kept every reference whole
       Statement check(db_, "PRAGMA foreign_key_check");
       if (check.step()) throw DbError("a row refers to a volume that does not exist");
@@ -435,24 +447,25 @@ std::optional<VolumeRow> Database::Transaction::volume(const std::string& id) {
 
 void Database::Transaction::insert_volume(const VolumeRow& v) {
   Statement s(live(), (std::string("INSERT INTO volumes (") + kVolumeColumns +
-                       ") VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)")
+                       ") VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)")
                           .c_str());
   s.bind(1, v.id).bind(2, v.name).bind(3, static_cast<int64_t>(v.size));
   s.bind(4, int64_t{v.multiattach}).bind(5, int64_t{v.bootable}).bind(6, v.created_at);
   s.bind(7, std::string(to_string(v.writer_policy))).bind(8, v.writer);
   s.bind(9, static_cast<int64_t>(v.fencing_generation)).bind(10, v.writer_since);
+  s.bind(11, v.qos);
   s.step();
 }
 
 void Database::Transaction::update_volume(const VolumeRow& v) {
   Statement s(live(),
               "UPDATE volumes SET name = ?, size = ?, multiattach = ?, bootable = ?, "
-              "writer_policy = ?, writer = ?, fencing_generation = ?, writer_since = ? "
+              "writer_policy = ?, writer = ?, fencing_generation = ?, writer_since = ?, qos = ? "
               "WHERE id = ?");
   s.bind(1, v.name).bind(2, static_cast<int64_t>(v.size)).bind(3, int64_t{v.multiattach});
   s.bind(4, int64_t{v.bootable}).bind(5, std::string(to_string(v.writer_policy)));
   s.bind(6, v.writer).bind(7, static_cast<int64_t>(v.fencing_generation));
-  s.bind(8, v.writer_since).bind(9, v.id);
+  s.bind(8, v.writer_since).bind(9, v.qos).bind(10, v.id);
   s.step();
 }
 
@@ -497,7 +510,7 @@ std::optional<AttachmentRow> Database::Transaction::attachment_by_export(
 
 void Database::Transaction::insert_attachment(const AttachmentRow& a) {
   Statement s(live(), (std::string("INSERT INTO volume_attachment (") + kAttachmentColumns +
-                       ") VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)")
+                       ") VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)")
                           .c_str());
   bind_attachment(s, a);
   s.step();
@@ -507,7 +520,7 @@ void Database::Transaction::update_attachment(const AttachmentRow& a) {
   Statement s(live(),
               "UPDATE volume_attachment SET id = ?, volume_id = ?, instance_uuid = ?, "
               "attached_host = ?, mode = ?, attach_status = ?, attach_time = ?, detach_time = ?, "
-              "connector = ?, export_name = ?, created_at = ?, write_access_since = ? "
+              "connector = ?, export_name = ?, created_at = ?, write_access_since = ?, qos = ? "
               "WHERE id = ?1");
   bind_attachment(s, a);
   s.step();

@@ -42,6 +42,7 @@ struct VolumeRow {
   std::string writer;               // single: the attachment holding write access, "" if none
   uint64_t fencing_generation = 0;  // + 1 at every change of writer
   std::string writer_since;         // when the writer last changed; "" before the first
+  std::string qos;                  // its QoS spec as JSON text (control/qos.h); "" for none
 };
 
 struct AttachmentRow {
@@ -59,6 +60,7 @@ struct AttachmentRow {
   // When it last gained write access; "" while it has none (read-only, a standby of a
   // single-writer volume, detached). Set and cleared with the volume's writer.
   std::string write_access_since;
+  std::string qos;  // its QoS spec as JSON text (control/qos.h); "" for none
 };
 
 // A volume_create or volume_delete recorded before the store is touched, and removed in the
@@ -83,7 +85,7 @@ struct DbError : std::runtime_error {
 };
 
 // The schema this build writes. Version 0 is the unversioned schema of 0.1.0.
-inline constexpr int kSchemaVersion = 3;
+inline constexpr int kSchemaVersion = 4;
 
 // "rw" / "ro", as stored and as the API shows them.
 std::string_view to_string(backend::AttachMode mode);

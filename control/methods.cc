@@ -15,6 +15,7 @@ Json volume_create(Service& s, const Json& p, const Caller&) {
   spec.multiattach = opt_bool(p, "multiattach").value_or(false);
   spec.bootable = opt_bool(p, "bootable").value_or(false);
   spec.writer_policy = opt_writer_policy(p, "writer_policy").value_or(WriterPolicy::Multi);
+  if (auto it = p.find("qos"); it != p.end() && !it->is_null()) spec.qos = decode_qos(*it);
   return s.volume_create(spec);
 }
 
@@ -62,9 +63,13 @@ Json attachment_create(Service& s, const Json& p, const Caller&) {
 Json attachment_update(Service& s, const Json& p, const Caller&) {
   const std::string id = need_string(p, "attachment_id");
   const bool has_mode = p.contains("mode") && !p["mode"].is_null();
-  if (p.contains("connector") == has_mode) {
-    invalid("give either 'connector' (a new connector) or 'mode' (a live mode change)");
+  const bool has_qos = p.contains("qos");
+  if (int{p.contains("connector")} + int{has_mode} + int{has_qos} != 1) {
+    invalid(
+        "give exactly one of 'connector' (a new connector), 'mode' (a live mode change) and "
+        "'qos' (live QoS limits)");
   }
+  if (has_qos) return s.attachment_qos(id, decode_qos(p["qos"]));
   if (has_mode) return s.attachment_update(id, nullptr, opt_mode(p, "mode"));
   return s.attachment_update(id, &p["connector"], std::nullopt);
 }
@@ -104,17 +109,17 @@ Json export_resolve(Service& s, const Json& p, const Caller& caller) {
 }
 
 // The params each method accepts; any other key is invalid_params.
-constexpr std::string_view kVolumeCreate[] = {"name",     "size",          "multiattach",
-                                              "bootable", "writer_policy", "from_image"};
+constexpr std::string_view kVolumeCreate[] = {
+    "name", "size", "multiattach", "bootable", "writer_policy", "from_image", "qos"};
 constexpr std::string_view kVolumeDelete[] = {"volume_id", "wait"};
 constexpr std::string_view kVolumeId[] = {"volume_id"};
-constexpr std::string_view kVolumeUpdate[] = {"volume_id", "name", "multiattach", "bootable",
-                                              "writer_policy"};
+constexpr std::string_view kVolumeUpdate[] = {"volume_id", "name",          "multiattach",
+                                              "bootable",  "writer_policy", "qos"};
 constexpr std::string_view kVolumeExtend[] = {"volume_id", "size"};
 constexpr std::string_view kVolumeDetach[] = {"volume_id", "attachment_id"};
 constexpr std::string_view kAttachmentCreate[] = {"volume_id", "instance_uuid", "attached_host",
                                                   "mode", "connector"};
-constexpr std::string_view kAttachmentUpdate[] = {"attachment_id", "connector", "mode"};
+constexpr std::string_view kAttachmentUpdate[] = {"attachment_id", "connector", "mode", "qos"};
 constexpr std::string_view kVolumeTakeover[] = {"volume_id", "attachment_id"};
 constexpr std::string_view kAttachmentId[] = {"attachment_id"};
 constexpr std::string_view kExportResolve[] = {"export_name"};

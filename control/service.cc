@@ -320,7 +320,7 @@ target::ExportCatalog::Lookup Service::resolve(const std::string& export_name,
                                                const target::Peer& peer) {
   using Refusal = target::ExportCatalog::Refusal;
   AttachmentRow a;
-  uint64_t size = 0;
+  VolumeRow v;
   {
     Database::Transaction tx(db_);
     auto found = tx.attachment_by_export(export_name);
@@ -330,7 +330,7 @@ target::ExportCatalog::Lookup Service::resolve(const std::string& export_name,
       return {std::nullopt, Refusal::Unknown};
     }
     a = *found;
-    size = find_volume(tx, a.volume_id).size;
+    v = find_volume(tx, a.volume_id);
   }
   const Json connector = Json::parse(a.connector);
   const Admission admission = admit(connector, a.id, peer, policy());
@@ -340,7 +340,7 @@ target::ExportCatalog::Lookup Service::resolve(const std::string& export_name,
                  to_string(admission));
     return {std::nullopt, refusal_of(admission)};
   }
-  auto volume = volumes_.open(a.volume_id, size);
+  auto volume = volumes_.open(a.volume_id, v.size);
   auto access = exports_.write_access(a.id);
   if (!volume || !access) return {std::nullopt, Refusal::Unknown};
   spdlog::info(
@@ -350,7 +350,8 @@ target::ExportCatalog::Lookup Service::resolve(const std::string& export_name,
   // One connection at a time, unless the connector asked for several: a reconnect replaces
   // the old one (docs/nbd.md, "Reconnects").
   const bool exclusive = !connector.value("multi_conn", false);
-  return {target::Export{volume, a.mode, a.id, "", std::move(access), exclusive}};
+  return {target::Export{volume, a.mode, a.id, "", std::move(access), exclusive,
+                         qos_.attachment(a.id, a.volume_id, a.qos, v.qos)}};
 }
 
 std::optional<std::string> Service::psk_key(const std::string& attachment_id) {

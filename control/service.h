@@ -23,6 +23,7 @@
 #include "control/export_registry.h"
 #include "control/params.h"
 #include "control/psk_keys.h"
+#include "control/qos.h"
 #include "control/revocation_journal.h"
 #include "control/volume_jobs.h"
 #include "control/volume_registry.h"
@@ -36,6 +37,7 @@ struct VolumeSpec {
   bool bootable = false;
   WriterPolicy writer_policy = WriterPolicy::Multi;
   std::string from_image;  // an image on the daemon's host to fill it from; "" for none
+  target::QosSpec qos;     // docs/qos.md
 };
 
 // Decoded by volume_update itself, once the volume is found, in the order name, multiattach,
@@ -76,6 +78,8 @@ class Service {
   // A new connector, or (mode set, connector nullptr) a live change of mode.
   Json attachment_update(const std::string& id, const Json* connector,
                          std::optional<backend::AttachMode> mode);
+  // A live change of the attachment's QoS limits (docs/qos.md).
+  Json attachment_qos(const std::string& id, const target::QosSpec& spec);
   Json attachment_complete(const std::string& id);
   Json attachment_delete(const std::string& id);
   Json attachment_list(const std::string& volume_id);  // "" for all
@@ -171,6 +175,7 @@ class Service {
   Database db_;
   VolumeRegistry volumes_;
   ExportRegistry exports_;
+  QosRegistry qos_;
   RevocationJournal journal_;  // STATE_DIR/revocations
   // SIGHUP replaces it (set_policy); calls read a copy, under the mutex.
   mutable std::mutex policy_mutex_;

@@ -66,7 +66,8 @@ Json Service::attachment_json(const AttachmentRow& a, const VolumeRow& v) {
               {"connection_info", std::move(info)},
               {"connections", exports_.connections(a.id)},
               {"write_access", may_write(a, v)},
-              {"write_access_since", or_null(a.write_access_since)}};
+              {"write_access_since", or_null(a.write_access_since)},
+              {"qos", qos_json(qos_from_text(a.qos))}};
 }
 
 Json Service::volume_json(Database::Transaction& tx, const VolumeRow& v) {
@@ -102,6 +103,7 @@ Json Service::volume_json(const VolumeRow& v, const std::vector<AttachmentRow>& 
               {"writer", v.writer.empty() ? Json(nullptr) : Json(v.writer)},
               {"fencing_generation", v.fencing_generation},
               {"writer_since", v.writer_since.empty() ? Json(nullptr) : Json(v.writer_since)},
+              {"qos", qos_json(qos_from_text(v.qos))},
               {"attachments", std::move(attachments)}};
 }
 

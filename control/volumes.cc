@@ -44,6 +44,7 @@ Json Service::volume_create(const VolumeSpec& spec) {
   if (size == 0) invalid("size is required without from_image");
   VolumeRow v{new_uuid(), spec.name, size, spec.multiattach, spec.bootable, now_iso()};
   v.writer_policy = spec.writer_policy;
+  v.qos = qos_text(spec.qos);
   {
     Database::Transaction tx(db_);
     tx.put_intent({v.id, IntentAction::Create, "", v.created_at});
@@ -331,9 +332,16 @@ Json Service::volume_update(const VolumeChange& change) {
     }
     v.bootable = *bootable;
   }
+  std::optional<target::QosSpec> qos;
+  if (auto it = p.find("qos"); it != p.end()) {
+    qos = decode_qos(*it);
+    v.qos = qos_text(*qos);
+  }
   tx.update_volume(v);
   Json out = volume_json(tx, v);
   tx.commit();
+  // Every attachment's connections take it from their next request on.
+  if (qos) qos_.set_volume(v.id, *qos);
   return out;
 }
 

@@ -111,6 +111,21 @@ IoStats::Kind kind_of(uint16_t type) {
   }
 }
 
+// What a command counts as in QoS limits (docs/qos.md): reads and writes, and trims and
+// write-zeroes as writes (no bytes); the rest are not limited.
+QosLimiter::Dir qos_dir(uint16_t type) {
+  switch (type) {
+    case kCmdRead:
+      return QosLimiter::Dir::Read;
+    case kCmdWrite:
+    case kCmdTrim:
+    case kCmdWriteZeroes:
+      return QosLimiter::Dir::Write;
+    default:
+      return QosLimiter::Dir::None;
+  }
+}
+
 }  // namespace
 
 void Request::done(int err) {
@@ -123,6 +138,7 @@ Connection::Connection(Worker& worker, int fd, Session session)
       session_(std::move(session)),
       handle_(session_.exp.volume, session_.exp.mode, session_.exp.write_access),
       counters_(worker.counters_for(session_.exp.group)),
+      qos_(session_.exp.qos ? *session_.exp.qos : QosLimiter::unlimited()),
       rbuf_(new char[kRecvBufferSize]) {
   recv_done_.conn = this;
   send_done_.conn = this;
@@ -135,6 +151,7 @@ Connection::~Connection() {
   if (flush_scheduled_) worker_.cancel_flush(this);
   if (waiting_for_budget_) worker_.cancel_wait_for_budget(this);
   if (awaiting_payload_) worker_.payload_ended();
+  if (qos_timer_) worker_.cancel_qos_wait(*qos_timer_);
   ::close(fd_);
 }
 
@@ -152,6 +169,7 @@ void Connection::abort() {
   reading_ = false;
   broken_ = true;
   drop_replies();
+  qos_drop();
   ::shutdown(fd_, SHUT_RDWR);
   maybe_close();
 }
@@ -378,6 +396,82 @@ bool Connection::begin_request(const nbd::Request& h) {
 }
 
 void Connection::dispatch(Request* r) {
+  // Without a limit on the attachment or its volume this one test is all QoS costs. While
+  // requests wait, later ones queue behind them, whatever they are: a connection's requests
+  // start in the order they came.
+  if (kQos && (qos_.engaged() || qos_head_ != nullptr)) [[unlikely]] {
+    qos_hold(r);
+    return;
+  }
+  run(r);
+}
+
+void Connection::qos_hold(Request* r) {
+  r->next = nullptr;
+  if (qos_tail_ != nullptr) {
+    qos_tail_->next = r;  // the timer is set for the head already
+    qos_tail_ = r;
+    return;
+  }
+  qos_head_ = qos_tail_ = r;
+  qos_start_ready();
+}
+
+void Connection::qos_resume() {
+  qos_timer_.reset();
+  {
+    Hold hold(*this);
+    qos_start_ready();
+  }
+  maybe_close();
+}
+
+void Connection::qos_start_ready() {
+  if (broken_) {
+    qos_drop();
+    return;
+  }
+  const auto now = std::chrono::steady_clock::now();
+  while (qos_head_ != nullptr) {
+    Request* r = qos_head_;
+    std::chrono::nanoseconds wait{0};
+    if (qos_.engaged()) {
+      const uint64_t bytes = r->type == kCmdRead || r->type == kCmdWrite ? r->length : 0;
+      wait = qos_.admit(qos_dir(r->type), bytes, now);
+    }
+    if (wait.count() > 0) {
+      // Looked at again within 100 ms at most, so that a raised or removed limit takes
+      // effect then even if the wait it set was long.
+      const auto when =
+          now + std::min<std::chrono::nanoseconds>(wait, std::chrono::milliseconds(100));
+      if (qos_timer_) worker_.cancel_qos_wait(*qos_timer_);
+      qos_timer_ = worker_.qos_wait(this, when);
+      return;
+    }
+    qos_head_ = r->next;
+    if (qos_head_ == nullptr) qos_tail_ = nullptr;
+    run(r);
+    if (broken_) {  // its reply failed to go: the rest are dropped
+      qos_drop();
+      return;
+    }
+  }
+}
+
+void Connection::qos_drop() {
+  if (qos_timer_) {
+    worker_.cancel_qos_wait(*qos_timer_);
+    qos_timer_.reset();
+  }
+  while (qos_head_ != nullptr) {
+    Request* r = qos_head_;
+    qos_head_ = r->next;
+    release(r);
+  }
+  qos_tail_ = nullptr;
+}
+
+void Connection::run(Request* r) {
   if (r->type == kCmdBlockStatus) {
     // SEEK_DATA/SEEK_HOLE answer from file system metadata: no reason to leave the thread.
     int err =

@@ -9,6 +9,7 @@
 #include <sys/types.h>
 
 #include <array>
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <memory>
@@ -93,6 +94,63 @@ struct GroupStats {
   std::vector<LiveConnection> connections;  // oldest first
 };
 
+// Cinder's front-end QoS spec (docs/qos.md): per-second limits, 0 for none. Each rate has a
+// burst, its `*_max` key: how many operations (bytes) above the rate may go at once after an
+// idle spell; 0 means a tenth of the rate, as QEMU's throttling does.
+struct QosSpec {
+  enum Key : uint8_t { TotalIops, ReadIops, WriteIops, TotalBytes, ReadBytes, WriteBytes, kKeys };
+  // "total_iops_sec", ..., "write_bytes_sec"; the burst's key is this plus "_max".
+  static const char* key_name(size_t key);
+  std::array<uint64_t, kKeys> rate{};
+  std::array<uint64_t, kKeys> burst{};
+
+  bool limits() const;  // some rate is set
+  bool operator==(const QosSpec&) const = default;
+};
+
+// One set of token buckets (QosSpec's), shared by every connection it limits, on any worker:
+// an attachment's connections, or every attachment of a volume (the attachment's limiter's
+// parent). Reads and writes count one operation and their length in bytes; trims and
+// write-zeroes one write operation and no bytes (they carry no payload); flush, block status
+// and cache nothing. A request may start once every bucket it draws on holds more than
+// nothing, and then takes what it costs, going into debt: the rate holds over time, and a
+// large request waits for the refill like a small one instead of for a full bucket.
+class QosLimiter {
+ public:
+  // An attachment's limiter, under its volume's `parent` (nullptr: none).
+  static std::shared_ptr<QosLimiter> make(const QosSpec& spec,
+                                          std::shared_ptr<QosLimiter> parent = nullptr);
+  // One that never limits: for exports without QoS, so that connections need not test for
+  // a null pointer.
+  static QosLimiter& unlimited();
+  ~QosLimiter();
+  QosLimiter(const QosLimiter&) = delete;
+  QosLimiter& operator=(const QosLimiter&) = delete;
+
+  // A new spec, in force from the next request of every connection that has this limiter;
+  // any thread. Buckets keep their level, cut to the new capacity.
+  void set(const QosSpec& spec);
+  QosSpec spec() const;
+
+  // True when this limiter or its parent limits anything. The one test on the I/O path of an
+  // unlimited attachment: a relaxed load that nothing writes while the limits stay as they are.
+  bool engaged() const { return engaged_.load(std::memory_order_relaxed); }
+
+  enum class Dir : uint8_t { Read, Write, None };
+  // Zero when a request of `dir` moving `bytes` may start now, and then its cost is taken
+  // from this limiter and its parent; else how long until it may (nothing taken).
+  std::chrono::nanoseconds admit(Dir dir, uint64_t bytes,
+                                 std::chrono::steady_clock::time_point now);
+
+  struct Impl;
+
+ private:
+  QosLimiter();
+  void update_engaged();  // under the parent's lock when there is one
+  std::unique_ptr<Impl> impl_;
+  std::atomic<bool> engaged_{false};
+};
+
 // What an export name resolves to.
 struct Export {
   std::shared_ptr<backend::Volume> volume;
@@ -109,6 +167,8 @@ struct Export {
   // re-sends a timed-out write on a new connection; docs/nbd.md, "Reconnects"). The export
   // then does not advertise NBD_FLAG_CAN_MULTI_CONN.
   bool exclusive = false;
+  // The attachment's QoS limiter (its parent the volume's); nullptr: never limited.
+  std::shared_ptr<QosLimiter> qos;
 };
 
 class ExportCatalog {

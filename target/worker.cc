@@ -149,6 +149,9 @@ void Worker::run(std::promise<std::error_code>* started) {
       spdlog::error("worker: io_uring wait failed: {}", std::strerror(-rc));
       break;
     }
+    // Requests QoS held whose time has come start before the replies go out: one served
+    // inline (a volume in memory) has its reply in this batch, not after the next wakeup.
+    if (kQos && !qos_timers_.empty()) resume_qos_waiters();
     // One send per connection for all the replies this batch produced. A flush can
     // schedule another (a short send), and a connection can close and leave the list.
     // Each send wakes a client, and a client woken by a syscall of ours preempts this thread
@@ -181,6 +184,27 @@ void Worker::run(std::promise<std::error_code>* started) {
 // request's payload is still to come, does the worker wake up now and then to look for
 // clients that stopped taking their replies or sending their payload.
 int Worker::wait_timeout_ms() const {
+  int timeout = stall_check_ms();
+  if (!qos_timers_.empty()) {
+    // Rounded up: waking before the time would find the tokens not yet there.
+    const auto until = qos_timers_.begin()->first - std::chrono::steady_clock::now();
+    const auto ms =
+        std::max<int64_t>(0, std::chrono::ceil<std::chrono::milliseconds>(until).count());
+    timeout = timeout < 0 ? static_cast<int>(ms) : std::min<int>(timeout, static_cast<int>(ms));
+  }
+  return timeout;
+}
+
+void Worker::resume_qos_waiters() {
+  const auto now = std::chrono::steady_clock::now();
+  while (!qos_timers_.empty() && qos_timers_.begin()->first <= now) {
+    Connection* c = qos_timers_.begin()->second;
+    qos_timers_.erase(qos_timers_.begin());
+    c->qos_resume();  // may wait again, or close
+  }
+}
+
+int Worker::stall_check_ms() const {
   if (!watching()) return -1;
   int64_t shortest = INT64_MAX;
   if (watching_sends()) shortest = send_timeout_.count();
@@ -191,7 +215,7 @@ int Worker::wait_timeout_ms() const {
 void Worker::cut_off_stalled_clients() {
   const auto now = std::chrono::steady_clock::now();
   if (now < next_stall_check_) return;
-  next_stall_check_ = now + std::chrono::milliseconds(wait_timeout_ms());
+  next_stall_check_ = now + std::chrono::milliseconds(stall_check_ms());
   const bool sends = watching_sends();
   const bool payloads = watching_payloads();
   std::vector<std::pair<Connection*, bool>> stalled;  // true: its payload stalled

@@ -10,8 +10,10 @@
 #include <cstdint>
 #include <functional>
 #include <future>
+#include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <unordered_map>
@@ -61,12 +63,21 @@ class BufferPool {
 class Worker;
 class Connection;
 
+// Connections whose first QoS-held request may go at that time (Worker::qos_wait).
+using QosTimers = std::multimap<std::chrono::steady_clock::time_point, Connection*>;
+
 // Whether requests are counted (target/CMakeLists.txt, SHAREBLK_IO_STATS): off only to
 // measure what counting costs (bench/io-stats).
 #ifndef SHAREBLK_IO_STATS
 #define SHAREBLK_IO_STATS 1
 #endif
 inline constexpr bool kCountRequests = SHAREBLK_IO_STATS != 0;
+// Whether QoS limits are enforced (target/CMakeLists.txt, SHAREBLK_QOS): off only to measure
+// what the test for a limit costs when there is none (bench/qos-cost).
+#ifndef SHAREBLK_QOS
+#define SHAREBLK_QOS 1
+#endif
+inline constexpr bool kQos = SHAREBLK_QOS != 0;
 
 // A count written by one thread and read by any: a relaxed load and store, never a
 // read-modify-write, so counting takes no locked instruction and TSan sees no race.
@@ -114,7 +125,8 @@ struct Request final : backend::IoRequest {
   uint16_t type = 0;
   uint16_t nbd_flags = 0;
   uint32_t payload_size = 0;  // bytes of `buf` (pool size), 0 when none
-  Request* next = nullptr;    // the connection's reply queue
+  // The connection's QoS queue while the request waits there, then its reply queue.
+  Request* next = nullptr;
 
   // The encoded reply: headers in `reply`, data straight from `buf`.
   uint8_t reply[kReplyBytes];
@@ -152,6 +164,8 @@ class Connection {
   void flush(bool with_others);
   // Reads requests again after waiting for the worker's payload budget.
   void resume();
+  // Starts the requests QoS held that may go now (the worker's timer for them expired).
+  void qos_resume();
   // True when a send has waited for room in the socket since before `since`: the client has
   // taken none of its replies for that long.
   bool send_stalled_since(std::chrono::steady_clock::time_point since) const {
@@ -179,7 +193,14 @@ class Connection {
   void track_payload();
   void parse();
   bool begin_request(const nbd::Request& header);
+  // A request ready to run: QoS lets it go now, or holds it in the connection's QoS queue.
   void dispatch(Request* r);
+  void run(Request* r);
+  // Appends `r` to the QoS queue, then starts the queue's requests that may go now, in
+  // order, and sets the worker's timer for the first that may not.
+  void qos_hold(Request* r);
+  void qos_start_ready();
+  void qos_drop();  // a broken connection's held requests are released unanswered
   void encode_reply(Request* r, int err);
   void queue_reply(Request* r);
   void send_more();
@@ -192,6 +213,12 @@ class Connection {
   Session session_;
   backend::Handle handle_;
   GroupCounters& counters_;  // its group's, on this worker
+  // The attachment's limits (QosLimiter::unlimited() for an export without any). Requests it
+  // holds wait here, in arrival order, until their tokens are there; nothing else waits.
+  QosLimiter& qos_;
+  Request* qos_head_ = nullptr;
+  Request* qos_tail_ = nullptr;
+  std::optional<QosTimers::iterator> qos_timer_;
 
   // Received bytes not yet parsed live in rbuf_[rpos_, rend_).
   static constexpr size_t kRecvBufferSize = 64 * 1024;
@@ -312,6 +339,11 @@ class Worker {
   // `c` stopped reading for the budget: it resumes once the budget has room again.
   void wait_for_budget(Connection* c);
   void cancel_wait_for_budget(Connection* c);
+  // `c` holds requests for QoS: its qos_resume() runs once `when` has passed.
+  QosTimers::iterator qos_wait(Connection* c, std::chrono::steady_clock::time_point when) {
+    return qos_timers_.emplace(when, c);
+  }
+  void cancel_qos_wait(QosTimers::iterator it) { qos_timers_.erase(it); }
   // A connection queued a send on the ring because its socket was full / that send ended.
   void send_queued() { ++queued_sends_; }
   void send_ended() { --queued_sends_; }
@@ -331,7 +363,9 @@ class Worker {
   // True while some connection awaits a payload and silent senders are cut off.
   bool watching_payloads() const { return awaiting_payloads_ > 0 && payload_timeout_.count() > 0; }
   bool watching() const { return watching_sends() || watching_payloads(); }
+  int stall_check_ms() const;
   int wait_timeout_ms() const;
+  void resume_qos_waiters();
   void cut_off_stalled_clients();
 
   ConnectionRegistry& registry_;
@@ -355,6 +389,7 @@ class Worker {
   uint64_t payload_bytes_ = 0;
   std::vector<Connection*> budget_waiters_;
   std::vector<Connection*> resuming_;
+  QosTimers qos_timers_;
   const std::chrono::milliseconds send_timeout_;
   size_t queued_sends_ = 0;  // sends waiting on the ring for room in their socket
   const std::chrono::milliseconds payload_timeout_;

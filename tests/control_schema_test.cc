@@ -133,7 +133,8 @@ TEST_F(StateDatabaseTest, A010DatabaseIsMigratedWithNothingLost) {
 
 // state-v1.db was written by the release before the volume_intent table (schema version 1):
 // three volumes, attachments attached, attaching, reserved and detached; state-v2.db is the
-// same state as the release before the writer columns left it (schema version 2). Each
+// same state as the release before the writer columns left it (schema version 2), and
+// state-v3.db as the release before QoS left it (version 3). Each
 // migrates with every field as that release listed it, the volumes get the writer policy
 // multi (what they had: every read-write attachment writes), and creates and deletes work.
 void StateDatabaseTest::expect_migrated_from(const char* fixture, int version) {
@@ -178,9 +179,11 @@ void StateDatabaseTest::expect_migrated_from(const char* fixture, int version) {
       EXPECT_EQ(volumes[i]["writer_policy"], "multi") << volumes[i];
       EXPECT_TRUE(volumes[i]["writer"].is_null()) << volumes[i];
       EXPECT_EQ(volumes[i]["fencing_generation"], 0) << volumes[i];
+      EXPECT_EQ(volumes[i]["qos"], Json::object()) << volumes[i];  // no limits
     }
     for (const Json& a : attachments) {  // every read-write one still writes
       EXPECT_EQ(a["write_access"], a["mode"] == "rw" && a["attach_status"] != "detached") << a;
+      EXPECT_EQ(a["qos"], Json::object()) << a;
     }
     // The migrated database takes creates and deletes, each leaving no intent behind.
     const Json made = call(plane, "volume_create", {{"name", "new"}, {"size", "1M"}});
@@ -201,6 +204,10 @@ TEST_F(StateDatabaseTest, AVersion1DatabaseIsMigratedWithNothingLost) {
 
 TEST_F(StateDatabaseTest, AVersion2DatabaseIsMigratedWithNothingLost) {
   expect_migrated_from("state-v2.db", 2);
+}
+
+TEST_F(StateDatabaseTest, AVersion3DatabaseIsMigratedWithNothingLost) {
+  expect_migrated_from("state-v3.db", 3);
 }
 
 TEST_F(StateDatabaseTest, TheStatusColumnAdmitsOnlyTheLifecycleStates) {
