@@ -111,18 +111,23 @@ IoStats::Kind kind_of(uint16_t type) {
   }
 }
 
-// What a command counts as in QoS limits (docs/qos.md): reads and writes, and trims and
-// write-zeroes as writes (no bytes); the rest are not limited.
-QosLimiter::Dir qos_dir(uint16_t type) {
+// What a command counts as in QoS limits (docs/qos.md): reads and writes with their bytes,
+// trims and write-zeroes as writes of no bytes; the rest are not limited.
+struct QosCost {
+  QosLimiter::Dir dir;
+  uint64_t bytes;
+};
+QosCost qos_cost(uint16_t type, uint64_t length) {
   switch (type) {
     case kCmdRead:
-      return QosLimiter::Dir::Read;
+      return {QosLimiter::Dir::Read, length};
     case kCmdWrite:
+      return {QosLimiter::Dir::Write, length};
     case kCmdTrim:
     case kCmdWriteZeroes:
-      return QosLimiter::Dir::Write;
+      return {QosLimiter::Dir::Write, 0};
     default:
-      return QosLimiter::Dir::None;
+      return {QosLimiter::Dir::None, 0};
   }
 }
 
@@ -436,8 +441,8 @@ void Connection::qos_start_ready() {
     Request* r = qos_head_;
     std::chrono::nanoseconds wait{0};
     if (qos_.engaged()) {
-      const uint64_t bytes = r->type == kCmdRead || r->type == kCmdWrite ? r->length : 0;
-      wait = qos_.admit(qos_dir(r->type), bytes, now);
+      const QosCost cost = qos_cost(r->type, r->length);
+      wait = qos_.admit(cost.dir, cost.bytes, now);
     }
     if (wait.count() > 0) {
       // Looked at again within 100 ms at most, so that a raised or removed limit takes
