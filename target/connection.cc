@@ -137,16 +137,19 @@ void Request::done(int err) {
   conn->finish_request(this, err);
 }
 
-Connection::Connection(Worker& worker, int fd, Session session)
+Connection::Connection(Worker& worker, int fd, Session session, std::unique_ptr<TlsConnection> tls)
     : worker_(worker),
       fd_(fd),
       session_(std::move(session)),
       handle_(session_.exp.volume, session_.exp.mode, session_.exp.write_access),
       counters_(worker.counters_for(session_.exp.group)),
       qos_(session_.exp.qos ? *session_.exp.qos : QosLimiter::unlimited()),
-      rbuf_(new char[kRecvBufferSize]) {
+      rbuf_(new char[kRecvBufferSize]),
+      tls_(std::move(tls)) {
   recv_done_.conn = this;
   send_done_.conn = this;
+  cipher_done_.conn = this;
+  if (tls_) tls_->begin_transmission();
   // Room for the most extents a reply can carry, taken once: how many there are depends on
   // the volume's holes, and a vector grown on the I/O path would allocate there.
   extents_.reserve(std::max(Request::kMaxExtents, Request::kMaxChunks) + 1);
@@ -154,6 +157,8 @@ Connection::Connection(Worker& worker, int fd, Session session)
 
 Connection::~Connection() {
   if (flush_scheduled_) worker_.cancel_flush(this);
+  if (tls_read_scheduled_) worker_.cancel_tls_read(this);
+  if (!broken_) say_goodbye();
   if (waiting_for_budget_) worker_.cancel_wait_for_budget(this);
   if (awaiting_payload_) worker_.payload_ended();
   if (qos_timer_) worker_.cancel_qos_wait(*qos_timer_);
@@ -171,6 +176,7 @@ void Connection::drain() {
 }
 
 void Connection::abort() {
+  if (!broken_) say_goodbye();
   reading_ = false;
   broken_ = true;
   drop_replies();
@@ -197,9 +203,7 @@ void Connection::post_recv() {
     return;
   }
   if (payload_for_ != nullptr) {  // the rest of a WRITE's payload goes straight to its buffer
-    worker_.ring().recv(fd_, payload_for_->buf + payload_got_, payload_for_->length - payload_got_,
-                        &recv_done_);
-    recv_pending_ = true;
+    recv_into(payload_for_->buf + payload_got_, payload_for_->length - payload_got_);
     return;
   }
   // Back-pressure: a client with too much in flight waits for replies before we read more.
@@ -211,8 +215,23 @@ void Connection::post_recv() {
     rend_ -= rpos_;
     rpos_ = 0;
   }
-  worker_.ring().recv(fd_, rbuf_.get() + rend_, kRecvBufferSize - rend_, &recv_done_);
+  recv_into(rbuf_.get() + rend_, kRecvBufferSize - rend_);
+}
+
+void Connection::recv_into(char* into, size_t length) {
   recv_pending_ = true;
+  if (!tls_) {
+    worker_.ring().recv(fd_, into, length, &recv_done_);
+    return;
+  }
+  tls_into_ = into;
+  tls_room_ = length;
+  if (tls_->readable()) {  // not from here: the caller may be in the middle of a reply
+    tls_read_scheduled_ = true;
+    worker_.schedule_tls_read(this);
+    return;
+  }
+  post_cipher_recv();
 }
 
 void Connection::on_recv(int res) {
@@ -611,7 +630,8 @@ void Connection::queue_reply(Request* r) {
 }
 
 void Connection::send_more() {
-  if (send_pending_ || sendq_head_ == nullptr || broken_ || flush_scheduled_) return;
+  if (send_pending_ || broken_ || flush_scheduled_) return;
+  if (sendq_head_ == nullptr && !(tls_ && tls_->has_output())) return;
   // Replies wait for the end of the worker's batch of completions, then go out in one
   // sendmsg straight from the thread; only a full socket makes it an io_uring operation.
   flush_scheduled_ = true;
@@ -620,6 +640,10 @@ void Connection::send_more() {
 
 void Connection::flush(bool with_others) {
   flush_scheduled_ = false;
+  if (tls_) {
+    tls_flush(with_others);
+    return;
+  }
   if (send_pending_ || sendq_head_ == nullptr || broken_) return;
   int n = 0;
   for (Request* r = sendq_head_; r != nullptr; r = r->next) {
@@ -662,7 +686,19 @@ void Connection::on_sent(int res) {
     maybe_close();
     return;
   }
-  size_t left = static_cast<size_t>(res);
+  if (tls_) {
+    tls_->sent(static_cast<size_t>(res));
+  } else {
+    replies_sent(static_cast<size_t>(res));
+  }
+  parse();
+  post_recv();
+  send_more();
+  maybe_close();
+}
+
+void Connection::replies_sent(size_t n) {
+  size_t left = n;
   while (left > 0 && sendq_head_ != nullptr) {
     Request* r = sendq_head_;
     if (left >= r->reply_left) {
@@ -686,10 +722,6 @@ void Connection::on_sent(int res) {
       }
     }
   }
-  parse();
-  post_recv();
-  send_more();
-  maybe_close();
 }
 
 void Connection::release(Request* r) {
@@ -705,6 +737,8 @@ void Connection::release(Request* r) {
 
 void Connection::maybe_close() {
   if (holds_ > 0 || reading_ || recv_pending_ || send_pending_ || inflight_ > 0) return;
+  // Records of the last replies still to go out (a short send); they go before the close.
+  if (tls_ && !broken_ && tls_->has_output()) return;
   worker_.connection_finished(this);  // deletes this
 }
 

@@ -366,8 +366,7 @@ struct Server::Impl final : ConnectionRegistry {
   // compares against it), dropped when the group is closed for good.
   std::unordered_map<std::string, uint64_t> last_serial;
   std::unordered_set<std::string> closed_groups;
-  std::shared_ptr<TlsContext> tls;            // null: NOTLS; reload_tls() replaces it
-  std::unordered_set<TlsConnection*> relays;  // TLS connections in their transmission phase
+  std::shared_ptr<TlsContext> tls;  // null: NOTLS; reload_tls() replaces it
 
   void accept_loop(Listener& listener);
   void handshake(int fd, bool tcp, const std::string& key);
@@ -461,7 +460,7 @@ void Server::Impl::handshake(int fd, bool tcp, const std::string& key) {
   std::optional<Session> session = negotiate(stream, *catalog, peer, secure.get());
   if (session) {
     // Its place among the group's connections, taken as soon as the client has its answer
-    // (before the TLS relay is set up): a client can have used this connection and given up on
+    // (before it goes to a worker): a client can have used this connection and given up on
     // it only after this, so a connection it opened later always has a higher serial.
     std::lock_guard lock(mutex);
     session->serial = ++last_serial[session->exp.group];
@@ -469,20 +468,13 @@ void Server::Impl::handshake(int fd, bool tcp, const std::string& key) {
   if (secure && !secure->failure().empty()) {
     refusals.warn("TLS handshake failed: " + secure->failure(), describe(peer));
   }
-  // A TLS session's worker socket is one end of a socketpair; this thread relays the other.
-  int plain[2] = {-1, -1};
+  // A TLS session goes to the worker with the socket: the worker reads and writes its records.
   if (session && secure && secure->started()) {
-    if (::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, plain) != 0) {
-      spdlog::warn("nbd: no socketpair for a TLS client ({}): {}", describe(peer),
-                   std::strerror(errno));
-      session.reset();
-    } else {
-      spdlog::debug("nbd: {} uses {}", describe(peer), secure->description());
-      enlarge_send_buffer(plain[1]);
-    }
+    spdlog::debug("nbd: {} uses {}", describe(peer), secure->description());
+  } else {
+    secure.reset();
   }
-  const bool relayed = plain[0] >= 0;
-  enlarge_send_buffer(relayed ? plain[0] : fd);
+  enlarge_send_buffer(fd);
 
   {
     std::unique_lock lock(mutex);
@@ -494,10 +486,6 @@ void Server::Impl::handshake(int fd, bool tcp, const std::string& key) {
     }
     auto refuse = [&] {  // under the lock
       --open_connections;
-      if (relayed) {
-        ::close(plain[0]);
-        ::close(plain[1]);
-      }
       secure.reset();
       ::close(fd);
       changed.notify_all();
@@ -529,18 +517,9 @@ void Server::Impl::handshake(int fd, bool tcp, const std::string& key) {
     shown.serial = serial;
     spdlog::info("nbd: {} connected to {}", shown.peer, group);
     // Posted under the lock, so a close_group() that follows is queued after it.
-    workers[next_worker++ % workers.size()]->adopt(relayed ? plain[0] : fd, std::move(*session));
-    if (relayed) relays.insert(secure.get());
+    workers[next_worker++ % workers.size()]->adopt(fd, std::move(*session), std::move(secure));
     changed.notify_all();
   }
-  if (!relayed) return;
-  secure->relay(plain[1], options.send_timeout);
-  ::close(plain[1]);
-  std::lock_guard lock(mutex);
-  relays.erase(secure.get());
-  secure.reset();
-  ::close(fd);
-  changed.notify_all();
 }
 
 Server::Server(ServerOptions options, std::shared_ptr<ExportCatalog> catalog)
@@ -625,13 +604,12 @@ std::error_code Server::start(std::string& what) {
       what = "tls: " + error;
       return std::make_error_code(std::errc::invalid_argument);
     }
-    spdlog::info(
-        "nbd: TLS {} ({}); records are encrypted in user space by a relay per connection: {}",
-        s.options.tls.mode == TlsOptions::Mode::Require ? "required" : "offered",
-        s.options.tls.x509_dir.empty() ? "PSK" : "PSK and x509",
-        TlsContext::kernel_tls_available()
-            ? "the kernel offers kTLS, which shareblk does not use yet"
-            : "this kernel offers no kTLS (no \"tls\" upper-layer protocol)");
+    spdlog::info("nbd: TLS {} ({}); records are encrypted in user space by the workers: {}",
+                 s.options.tls.mode == TlsOptions::Mode::Require ? "required" : "offered",
+                 s.options.tls.x509_dir.empty() ? "PSK" : "PSK and x509",
+                 TlsContext::kernel_tls_available()
+                     ? "the kernel offers kTLS, which shareblk does not use yet"
+                     : "this kernel offers no kTLS (no \"tls\" upper-layer protocol)");
   }
   s.running = true;
   for (auto& l : s.listeners) {
@@ -669,11 +647,6 @@ void Server::stop() {
     std::lock_guard lock(s.mutex);  // stats() reads the workers under it
     s.workers.clear();
   }
-  // The workers closed their side of every relay; a relay still sending to a client that does
-  // not read is cut off.
-  std::unique_lock lock(s.mutex);
-  for (TlsConnection* r : s.relays) r->cut_off();
-  s.changed.wait(lock, [&] { return s.relays.empty(); });
 }
 
 std::error_code Server::reload_tls(std::string& error) {

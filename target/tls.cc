@@ -1,5 +1,5 @@
-// TLS on the NBD listeners: credentials, the STARTTLS handshake and the relay of the
-// transmission phase (target/tls.h says why a relay).
+// TLS on the NBD listeners: credentials, the STARTTLS handshake, and the record layer of the
+// transmission phase in memory for the workers (target/tls.h).
 #include "target/tls.h"
 
 #include <gnutls/x509.h>
@@ -12,17 +12,13 @@
 #include <climits>
 #include <cstring>
 #include <fstream>
-#include <thread>
 
 namespace shareblk::target {
 
 namespace {
 
-// One recv from the client serves many TLS records; a relay writes at most this much at once.
+// One recv from the client serves many TLS records.
 constexpr size_t kInBufferSize = 64 * 1024;
-constexpr size_t kRelayBufferSize = 256 * 1024;
-constexpr size_t kMaxRecord = 16 * 1024 + 256;
-constexpr size_t kGatherBelow = 64 * 1024;  // one record's plaintext, with room to spare
 
 // Server order wins (%SERVER_PRECEDENCE) and AES-GCM comes first: the AES instructions make it
 // several times faster than ChaCha20-Poly1305, which GnuTLS otherwise may pick (and qemu-nbd's
@@ -49,22 +45,6 @@ bool hex_decode(const std::string& hex, std::string& out) {
   }
   return true;
 }
-
-bool send_all(int fd, const char* p, size_t n) {
-  while (n > 0) {
-    const ssize_t sent = ::send(fd, p, n, MSG_NOSIGNAL);
-    if (sent < 0 && errno == EINTR) continue;
-    if (sent <= 0) return false;
-    p += sent;
-    n -= static_cast<size_t>(sent);
-  }
-  return true;
-}
-
-// Set on the relay's sending thread while it flushes a batch of records: push() then gathers
-// them here and the thread sends them with one sendmsg, instead of one per 16 KiB record.
-// Thread-local because the receiving thread may push too (a TLS 1.3 key update's answer).
-thread_local std::string* gathered_records = nullptr;
 
 bool readable_file(const std::string& path) {
   return ::access(path.c_str(), R_OK) == 0;
@@ -241,8 +221,7 @@ bool TlsConnection::wait(short events, std::chrono::steady_clock::time_point dea
 ssize_t TlsConnection::pull(gnutls_transport_ptr_t self, void* buf, size_t size) {
   auto* c = static_cast<TlsConnection*>(self);
   while (c->in_pos_ == c->in_end_) {
-    // In the relay a read waits as long as the client stays: a blocking recv, no poll.
-    const ssize_t n = ::recv(c->fd_, c->in_.get(), kInBufferSize, c->relaying_ ? 0 : MSG_DONTWAIT);
+    const ssize_t n = ::recv(c->fd_, c->in_.get(), kInBufferSize, MSG_DONTWAIT);
     if (n >= 0) {
       if (n == 0) return 0;
       c->in_pos_ = 0;
@@ -254,9 +233,7 @@ ssize_t TlsConnection::pull(gnutls_transport_ptr_t self, void* buf, size_t size)
       gnutls_transport_set_errno(c->session_, errno);
       return -1;
     }
-    const auto deadline =
-        c->relaying_ ? std::chrono::steady_clock::time_point::max() : c->deadline_;
-    if (!c->wait(POLLIN, deadline)) {
+    if (!c->wait(POLLIN, c->deadline_)) {
       gnutls_transport_set_errno(c->session_, ETIMEDOUT);
       return -1;
     }
@@ -277,14 +254,6 @@ int TlsConnection::pull_timeout(gnutls_transport_ptr_t self, unsigned int ms) {
 
 ssize_t TlsConnection::push(gnutls_transport_ptr_t self, const giovec_t* iov, int count) {
   auto* c = static_cast<TlsConnection*>(self);
-  if (gathered_records != nullptr) {
-    size_t total = 0;
-    for (int i = 0; i < count; ++i) {
-      gathered_records->append(static_cast<const char*>(iov[i].iov_base), iov[i].iov_len);
-      total += iov[i].iov_len;
-    }
-    return static_cast<ssize_t>(total);
-  }
   msghdr msg{};
   msg.msg_iov = const_cast<iovec*>(reinterpret_cast<const iovec*>(iov));
   msg.msg_iovlen = static_cast<size_t>(count);
@@ -296,12 +265,7 @@ ssize_t TlsConnection::push(gnutls_transport_ptr_t self, const giovec_t* iov, in
       gnutls_transport_set_errno(c->session_, errno);
       return -1;
     }
-    auto deadline = c->deadline_;
-    if (c->relaying_) {
-      deadline = c->send_timeout_.count() > 0 ? std::chrono::steady_clock::now() + c->send_timeout_
-                                              : std::chrono::steady_clock::time_point::max();
-    }
-    if (!c->wait(POLLOUT, deadline)) {
+    if (!c->wait(POLLOUT, c->deadline_)) {
       gnutls_transport_set_errno(c->session_, ETIMEDOUT);
       return -1;
     }
@@ -370,93 +334,115 @@ std::string TlsConnection::description() const {
   return text;
 }
 
-void TlsConnection::cut_off() {
-  ::shutdown(fd_, SHUT_RDWR);
+// --- The transmission phase ---
+
+void TlsConnection::begin_transmission() {
+  gnutls_transport_set_pull_function(session_, &TlsConnection::memory_pull);
+  gnutls_transport_set_vec_push_function(session_, &TlsConnection::memory_push);
+  // GnuTLS waits through this only with a record timeout, which is never set; it must not
+  // poll the socket the worker owns now.
+  gnutls_transport_set_pull_timeout_function(session_,
+                                             [](gnutls_transport_ptr_t self, unsigned int) -> int {
+                                               const auto* c = static_cast<TlsConnection*>(self);
+                                               return c->in_pos_ < c->in_end_ ? 1 : 0;
+                                             });
 }
 
-void TlsConnection::relay(int plain_fd, std::chrono::milliseconds send_timeout) {
-  send_timeout_ = send_timeout;
-  relaying_ = true;
-  std::thread to_client;
-  try {
-    to_client = std::thread([this, plain_fd] { relay_to_client(plain_fd); });
-  } catch (const std::system_error&) {
-    ::shutdown(plain_fd, SHUT_RDWR);  // no thread to answer: the worker sees the client gone
-    return;
+ssize_t TlsConnection::memory_pull(gnutls_transport_ptr_t self, void* buf, size_t size) {
+  auto* c = static_cast<TlsConnection*>(self);
+  if (c->in_pos_ == c->in_end_) {
+    gnutls_transport_set_errno(c->session_, EAGAIN);
+    return -1;
   }
-  // From the client to the worker: every record already here goes in one write.
-  std::unique_ptr<char[]> buf(new char[kRelayBufferSize]);
-  for (bool open = true; open;) {
-    size_t have = 0;
-    while (have + kMaxRecord <= kRelayBufferSize) {
-      const ssize_t n = gnutls_record_recv(session_, buf.get() + have, kRelayBufferSize - have);
-      if (n == GNUTLS_E_INTERRUPTED || n == GNUTLS_E_AGAIN) continue;
-      if (n <= 0) {  // the client's close_notify or end, or a bad record
-        open = false;
-        break;
-      }
-      have += static_cast<size_t>(n);
-      // More without waiting only when a whole record is decrypted or buffered already.
-      if (gnutls_record_check_pending(session_) == 0 && in_pos_ == in_end_) break;
-    }
-    if (have > 0 && !send_all(plain_fd, buf.get(), have)) break;
-  }
-  ::shutdown(plain_fd, SHUT_WR);  // the worker reads the client's end, answers, and closes
-  to_client.join();
+  const size_t n = std::min(size, c->in_end_ - c->in_pos_);
+  std::memcpy(buf, c->in_.get() + c->in_pos_, n);
+  c->in_pos_ += n;
+  return static_cast<ssize_t>(n);
 }
 
-bool TlsConnection::send_gathered(const std::string& records) {
-  giovec_t v{const_cast<char*>(records.data()), records.size()};
-  size_t sent = 0;
-  while (sent < records.size()) {
-    v.iov_base = const_cast<char*>(records.data()) + sent;
-    v.iov_len = records.size() - sent;
-    const ssize_t n = push(this, &v, 1);
-    if (n < 0) return false;
-    sent += static_cast<size_t>(n);
+ssize_t TlsConnection::memory_push(gnutls_transport_ptr_t self, const giovec_t* iov, int count) {
+  auto* c = static_cast<TlsConnection*>(self);
+  // Behind what waits already (it may be in flight), or at the start of the emptied buffer.
+  std::string& to = c->out_pos_ < c->out_.size() ? c->out_next_ : c->out_;
+  if (&to == &c->out_) {
+    c->out_.clear();
+    c->out_pos_ = 0;
   }
-  return true;
+  size_t total = 0;
+  for (int i = 0; i < count; ++i) {
+    to.append(static_cast<const char*>(iov[i].iov_base), iov[i].iov_len);
+    total += iov[i].iov_len;
+  }
+  return static_cast<ssize_t>(total);
 }
 
-void TlsConnection::relay_to_client(int plain_fd) {
-  std::unique_ptr<char[]> buf(new char[kRelayBufferSize]);
-  std::string records;
-  records.reserve(kRelayBufferSize + kRelayBufferSize / 8);
-  bool clean_end = false;
+char* TlsConnection::cipher_space(size_t& room) {
+  if (in_pos_ == in_end_) {
+    in_pos_ = in_end_ = 0;
+  } else if (in_pos_ > 0) {
+    std::memmove(in_.get(), in_.get() + in_pos_, in_end_ - in_pos_);
+    in_end_ -= in_pos_;
+    in_pos_ = 0;
+  }
+  room = kInBufferSize - in_end_;
+  return in_.get() + in_end_;
+}
+
+void TlsConnection::cipher_received(size_t n) {
+  in_end_ += n;
+}
+
+bool TlsConnection::readable() const {
+  return in_pos_ < in_end_ || gnutls_record_check_pending(session_) > 0;
+}
+
+ssize_t TlsConnection::read(char* buf, size_t length) {
   for (;;) {
-    const ssize_t n = ::recv(plain_fd, buf.get(), kRelayBufferSize, 0);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) {
-      clean_end = n == 0;
-      break;
-    }
-    // Corked: the replies of one read leave in as few records and one sendmsg.
-    gnutls_record_cork(session_);
-    size_t sent = 0;
-    bool ok = true;
-    while (ok && sent < static_cast<size_t>(n)) {
-      const ssize_t w =
-          gnutls_record_send(session_, buf.get() + sent, static_cast<size_t>(n) - sent);
-      if (w == GNUTLS_E_AGAIN || w == GNUTLS_E_INTERRUPTED) continue;
-      ok = w > 0;
-      if (ok) sent += static_cast<size_t>(w);
-    }
-    int rc = 0;
-    records.clear();
-    // Small replies gathered into one sendmsg; large ones go a 16 KiB record per sendmsg,
-    // which costs less than copying them once more.
-    if (static_cast<size_t>(n) < kGatherBelow) gathered_records = &records;
-    do {
-      rc = gnutls_record_uncork(session_, GNUTLS_RECORD_WAIT);
-    } while (rc == GNUTLS_E_AGAIN || rc == GNUTLS_E_INTERRUPTED);
-    gathered_records = nullptr;
-    if (!ok || rc < 0 || !send_gathered(records)) break;
+    const ssize_t n = gnutls_record_recv(session_, buf, length);
+    if (n >= 0) return n;
+    if (n == GNUTLS_E_INTERRUPTED) continue;
+    return n == GNUTLS_E_AGAIN ? -EAGAIN : -EPROTO;
   }
-  // The worker closed (after a disconnect, a revocation, a stop): close_notify, then end the
-  // other direction too. A failed send means the client is gone: the worker learns at once.
-  if (clean_end) gnutls_bye(session_, GNUTLS_SHUT_WR);
-  ::shutdown(plain_fd, SHUT_RDWR);
-  ::shutdown(fd_, SHUT_RDWR);
+}
+
+int TlsConnection::write(const iovec* iov, int count) {
+  // Corked: the replies of a batch leave in as few records as they fill, not one or two each.
+  gnutls_record_cork(session_);
+  for (int i = 0; i < count; ++i) {
+    const char* p = static_cast<const char*>(iov[i].iov_base);
+    size_t left = iov[i].iov_len;
+    while (left > 0) {
+      const ssize_t n = gnutls_record_send(session_, p, left);
+      if (n == GNUTLS_E_INTERRUPTED || n == GNUTLS_E_AGAIN) continue;
+      if (n <= 0) {
+        gnutls_record_uncork(session_, 0);
+        return -EIO;
+      }
+      p += n;
+      left -= static_cast<size_t>(n);
+    }
+  }
+  int rc = 0;
+  do {
+    rc = gnutls_record_uncork(session_, GNUTLS_RECORD_WAIT);
+  } while (rc == GNUTLS_E_AGAIN || rc == GNUTLS_E_INTERRUPTED);
+  return rc < 0 ? -EIO : 0;
+}
+
+void TlsConnection::close_notify() {
+  gnutls_bye(session_, GNUTLS_SHUT_WR);
+}
+
+std::string_view TlsConnection::output() {
+  return {out_.data() + out_pos_, out_.size() - out_pos_};
+}
+
+void TlsConnection::sent(size_t n) {
+  out_pos_ += n;
+  if (out_pos_ < out_.size()) return;
+  out_.clear();
+  out_pos_ = 0;
+  out_.swap(out_next_);  // what came meanwhile goes next; the buffers take turns
 }
 
 }  // namespace shareblk::target

@@ -1,19 +1,22 @@
 // Internal to target/: TLS on the NBD listeners, with GnuTLS (the library QEMU, nbdkit and
 // libnbd use).
 //
-// The handshake upgrades a connection in place on NBD_OPT_STARTTLS. The transmission phase
-// stays on the io_uring workers, which see plaintext only: a TLS connection's worker socket is
-// one end of a socketpair, and a relay (two threads: one decrypts what the client sends, one
-// encrypts what the worker answers) carries the bytes between it and the client. The kernel's
-// TLS (kTLS) would let the worker use the client's socket directly; it needs the kernel's
-// "tls" module, and where that is missing the relay is the way (docs/nbd.md, "TLS").
+// The handshake upgrades a connection in place on NBD_OPT_STARTTLS, on the handshake's thread
+// with blocking I/O. The transmission phase runs on the connection's io_uring worker like any
+// other: the worker receives and sends the ciphertext on the client's socket itself, and the
+// session turns it into plaintext and back in memory (no thread or socketpair per connection;
+// docs/nbd.md, "TLS"). The kernel's TLS (kTLS) would move the record layer into the kernel; it
+// needs the kernel's "tls" module, which these machines lack.
 #pragma once
 
 #include <gnutls/gnutls.h>
+#include <sys/types.h>
+#include <sys/uio.h>
 
 #include <chrono>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <system_error>
 #include <unordered_map>
 
@@ -71,12 +74,28 @@ class TlsConnection final : public TlsUpgrade {
   // The negotiated protocol and cipher, e.g. "TLS1.3 AES-256-GCM", for the log.
   std::string description() const;
 
-  // Carries the transmission phase between the client and `plain_fd` (the worker's side of a
-  // socketpair) until either side ends; blocks, on two threads. A client that takes none of
-  // its replies for `send_timeout` (0 = never) is cut off, as the workers cut off their own.
-  void relay(int plain_fd, std::chrono::milliseconds send_timeout);
-  // Ends a relay from another thread (shutting the client's socket down).
-  void cut_off();
+  // --- The transmission phase, on the connection's worker thread only ---
+  // From here on the session reads from and writes to memory; the worker moves the bytes.
+  void begin_transmission();
+  // Where the next ciphertext from the client is to be received, and how much fits.
+  char* cipher_space(size_t& room);
+  void cipher_received(size_t n);
+  // True when read() has bytes to give without more ciphertext.
+  bool readable() const;
+  // Decrypts into `buf`: the bytes given (> 0), 0 at the client's close_notify, -EAGAIN when a
+  // whole record has not arrived yet, or -EPROTO for a record that fails (a bad MAC, a
+  // renegotiation): the connection cannot go on.
+  ssize_t read(char* buf, size_t length);
+  // Encrypts the bytes of `iov` into records (as few as fit) that wait to be sent; 0 or -errno.
+  int write(const iovec* iov, int count);
+  // Appends close_notify to what waits to be sent.
+  void close_notify();
+  // Ciphertext that waits to be sent. It stays where it is until sent() has taken all of it:
+  // a send in flight may point into it, and what GnuTLS writes meanwhile (a TLS 1.3 key
+  // update's answer) queues behind it.
+  bool has_output() const { return out_pos_ < out_.size() || !out_next_.empty(); }
+  std::string_view output();
+  void sent(size_t n);
 
  private:
   friend class TlsContext;  // psk_key() finds the context through the session
@@ -84,21 +103,16 @@ class TlsConnection final : public TlsUpgrade {
   static ssize_t pull(gnutls_transport_ptr_t self, void* buf, size_t size);
   static ssize_t push(gnutls_transport_ptr_t self, const giovec_t* iov, int count);
   static int pull_timeout(gnutls_transport_ptr_t self, unsigned int ms);
+  static ssize_t memory_pull(gnutls_transport_ptr_t self, void* buf, size_t size);
+  static ssize_t memory_push(gnutls_transport_ptr_t self, const giovec_t* iov, int count);
   // Waits until fd_ is ready for `events`, at most until `deadline`; false when it passed.
   bool wait(short events, std::chrono::steady_clock::time_point deadline) const;
-  void relay_to_client(int plain_fd);
-  // Sends what push() gathered, waiting for room as push() does.
-  bool send_gathered(const std::string& records);
 
   std::shared_ptr<TlsContext> owner_;
   TlsContext& context_;  // *owner_
   int fd_;
-  // The handshake's deadline holds for every read and write until the relay starts; then
-  // reads wait as long as the client stays (its socket's peer timeout ends a dead one), and a
-  // write waits at most send_timeout_ for room.
+  // The handshake's deadline holds for every read and write of the handshake.
   std::chrono::steady_clock::time_point deadline_;
-  bool relaying_ = false;
-  std::chrono::milliseconds send_timeout_{0};
   gnutls_session_t session_ = nullptr;
   std::unique_ptr<Stream> stream_;
   std::string failure_;
@@ -106,6 +120,11 @@ class TlsConnection final : public TlsUpgrade {
   std::unique_ptr<char[]> in_;
   size_t in_pos_ = 0;
   size_t in_end_ = 0;
+  // Ciphertext to send: out_[out_pos_..] may be in flight; out_next_ collects what comes
+  // meanwhile.
+  std::string out_;
+  size_t out_pos_ = 0;
+  std::string out_next_;
 };
 
 }  // namespace shareblk::target

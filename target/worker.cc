@@ -149,6 +149,14 @@ void Worker::run(std::promise<std::error_code>* started) {
       spdlog::error("worker: io_uring wait failed: {}", std::strerror(-rc));
       break;
     }
+    // TLS connections with records received already: their requests join this batch.
+    if (!tls_reads_.empty()) {
+      tls_reading_.swap(tls_reads_);
+      for (size_t i = 0; i < tls_reading_.size(); ++i) {
+        if (Connection* c = tls_reading_[i]) c->tls_read();  // may schedule again, or close
+      }
+      tls_reading_.clear();
+    }
     // Requests QoS held whose time has come start before the replies go out: one served
     // inline (a volume in memory) has its reply in this batch, not after the next wakeup.
     if (kQos && !qos_timers_.empty()) resume_qos_waiters();
@@ -184,6 +192,7 @@ void Worker::run(std::promise<std::error_code>* started) {
 // request's payload is still to come, does the worker wake up now and then to look for
 // clients that stopped taking their replies or sending their payload.
 int Worker::wait_timeout_ms() const {
+  if (!tls_reads_.empty()) return 0;  // bytes to decrypt wait for no event
   int timeout = stall_check_ms();
   if (!qos_timers_.empty()) {
     // Rounded up: waking before the time would find the tokens not yet there.
@@ -268,9 +277,11 @@ void Worker::on_wakeup(int /*res*/) {
   }
 }
 
-void Worker::adopt(int fd, Session session) {
-  post([fd, session = std::move(session)](Worker& w) mutable {
-    auto* c = new Connection(w, fd, std::move(session));
+void Worker::adopt(int fd, Session session, std::unique_ptr<TlsConnection> tls) {
+  // std::function needs a copyable task: the TLS session travels as a shared_ptr's content.
+  auto secure = std::make_shared<std::unique_ptr<TlsConnection>>(std::move(tls));
+  post([fd, session = std::move(session), secure](Worker& w) mutable {
+    auto* c = new Connection(w, fd, std::move(session), std::move(*secure));
     w.connections_.insert(c);
     if (w.stopping_) {
       c->abort();
@@ -314,6 +325,11 @@ void Worker::put_request(Request* r) {
 void Worker::cancel_flush(Connection* c) {
   std::erase(flushes_, c);
   std::replace(flushing_.begin(), flushing_.end(), c, static_cast<Connection*>(nullptr));
+}
+
+void Worker::cancel_tls_read(Connection* c) {
+  std::erase(tls_reads_, c);
+  std::replace(tls_reading_.begin(), tls_reading_.end(), c, static_cast<Connection*>(nullptr));
 }
 
 void Worker::wait_for_budget(Connection* c) {

@@ -23,6 +23,7 @@
 #include "backend/backend.h"
 #include "target/handshake.h"
 #include "target/nbd_proto.h"
+#include "target/tls.h"
 
 namespace shareblk::target {
 
@@ -142,7 +143,8 @@ struct Request final : backend::IoRequest {
 // touched only by that worker's thread.
 class Connection {
  public:
-  Connection(Worker& worker, int fd, Session session);
+  // `tls`: the connection's TLS session after its handshake, or null for plaintext.
+  Connection(Worker& worker, int fd, Session session, std::unique_ptr<TlsConnection> tls);
   ~Connection();
   Connection(const Connection&) = delete;
   Connection& operator=(const Connection&) = delete;
@@ -158,6 +160,9 @@ class Connection {
   void finish_request(Request* r, int err);
   void on_recv(int res);
   void on_sent(int res);
+  // TLS: decrypts what has come into where post_recv() wanted it; the worker calls it for a
+  // connection that had bytes to decrypt already (Worker::schedule_tls_read).
+  void tls_read();
   // Sends the queued replies; called by the worker after a batch of completions. Alone in
   // the batch, with one sendmsg now; `with_others`, as an io_uring operation that the
   // worker's next io_uring_enter submits with the other connections' (see worker.cc).
@@ -186,8 +191,20 @@ class Connection {
     Connection* conn;
     void complete(int res) override { conn->on_sent(res); }
   };
+  struct CipherCompletion final : backend::Completion {
+    Connection* conn;
+    void complete(int res) override { conn->on_cipher(res); }
+  };
 
   void post_recv();
+  // Receives up to `length` bytes of the request stream into `into`; on_recv() follows.
+  void recv_into(char* into, size_t length);
+  void post_cipher_recv();
+  void on_cipher(int res);
+  // TLS: encrypts queued replies and sends what is encrypted.
+  void tls_flush(bool with_others);
+  // The first `n` bytes of the queued replies are out (or encrypted): their requests go.
+  void replies_sent(size_t n);
   void drop_partial_request();
   // Tells the worker whether a payload is awaited now (for its payload deadline).
   void track_payload();
@@ -206,6 +223,7 @@ class Connection {
   void send_more();
   void release(Request* r);
   void drop_replies();
+  void say_goodbye();
   void maybe_close();
 
   Worker& worker_;
@@ -239,6 +257,14 @@ class Connection {
 
   RecvCompletion recv_done_;
   SendCompletion send_done_;
+  // TLS: the worker's socket carries records, and the session makes the request stream of
+  // them and the records of the replies. recv_into()'s target waits in tls_into_ while
+  // ciphertext is received (cipher_done_) or the worker is asked to decrypt what is here.
+  std::unique_ptr<TlsConnection> tls_;
+  CipherCompletion cipher_done_;
+  char* tls_into_ = nullptr;
+  size_t tls_room_ = 0;
+  bool tls_read_scheduled_ = false;
   bool recv_pending_ = false;
   bool reading_ = true;  // false after EOF, NBD_CMD_DISC, a protocol error or drain()
   bool broken_ = false;  // the socket failed: replies are dropped
@@ -308,7 +334,7 @@ class Worker {
 
   // Runs `task` on the worker thread.
   void post(std::function<void(Worker&)> task);
-  void adopt(int fd, Session session);
+  void adopt(int fd, Session session, std::unique_ptr<TlsConnection> tls = nullptr);
   // Drains (or, with `now`, aborts) every connection of `group` older than `below` (serial).
   void close_group(const std::string& group, bool now, uint64_t below = UINT64_MAX);
 
@@ -328,6 +354,10 @@ class Worker {
   // Connections with replies to send once the current batch of completions is handled.
   void schedule_flush(Connection* c) { flushes_.push_back(c); }
   void cancel_flush(Connection* c);
+  // A TLS connection has bytes to decrypt already: its tls_read() runs once the current batch
+  // of completions is handled (and the worker does not sleep before).
+  void schedule_tls_read(Connection* c) { tls_reads_.push_back(c); }
+  void cancel_tls_read(Connection* c);
 
   // The payload bytes of every connection here. Each connection has its own limit, but a
   // thousand connections at theirs would hold more memory than the machine has: past the
@@ -385,6 +415,8 @@ class Worker {
   std::vector<Request*> free_requests_;
   std::vector<Connection*> flushes_;
   std::vector<Connection*> flushing_;
+  std::vector<Connection*> tls_reads_;
+  std::vector<Connection*> tls_reading_;
   const uint64_t payload_budget_;
   uint64_t payload_bytes_ = 0;
   std::vector<Connection*> budget_waiters_;

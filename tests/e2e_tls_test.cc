@@ -1,8 +1,9 @@
 // TLS end to end (issue 18): a real daemon, real GnuTLS handshakes with QEMU's and libnbd's
 // TLS clients (qemu-io, nbdinfo, nbdcopy, python's nbd), PSK per attachment and x509 with a DN
 // binding, over TCP and Unix sockets; and the attacks: the clear text, another attachment's
-// key, a wrong key, garbage and a stall inside the TLS handshake.
+// key, a wrong key, garbage and a stall inside the TLS handshake, a forged record after it.
 #include <arpa/inet.h>
+#include <gnutls/gnutls.h>
 #include <gtest/gtest.h>
 #include <libnbd.h>
 #include <netinet/in.h>
@@ -37,6 +38,7 @@ constexpr uint32_t kOptExportName = 1;
 constexpr uint32_t kOptList = 3;
 constexpr uint32_t kOptStartTls = 5;
 constexpr uint32_t kOptInfo = 6;
+constexpr uint32_t kOptGo = 7;
 
 void write_text(const std::string& path, const std::string& text) {
   std::ofstream(path) << text;
@@ -327,8 +329,110 @@ TEST_F(TlsTest, TheClearTextAnotherAttachmentsKeyAndAWrongKeyAreRefused) {
   EXPECT_NE(log.find("TLS handshake failed"), std::string::npos) << log;
 }
 
-// Revocation reaches TLS connections too: a detach closes a live one (its relay with it), and
-// the daemon stops cleanly with another still connected and idle.
+// A client with the right key that, once served, sends a record the session did not make (a
+// forged or corrupted one: its MAC fails) loses its connection, and nothing else: the worker
+// that decrypts its records serves the others on.
+TEST_F(TlsTest, AForgedRecordAfterTheHandshakeCostsOnlyThatConnection) {
+  start({"--tls", "on"});  // one worker, as every managed daemon has
+  const std::string volume = create_volume();
+  const Json a = attach(volume, "i-1", {{"host", "a"}, {"transport", "unix"}, {"tls", true}});
+  const std::string uri = with_query(data_of(a)["uri"], "tls-psk-file=" + psk_dir(a) + "/keys.psk");
+  // Another client on the same (only) worker, reading all along.
+  st::RunResult other_out;
+  const std::string script =
+      "import nbd, sys, time\n"
+      "h = nbd.NBD()\n"
+      "h.set_uri_allow_local_file(True)\n"
+      "h.connect_uri(sys.argv[1])\n"
+      "end = time.time() + 3\n"
+      "n = 0\n"
+      "while time.time() < end:\n"
+      "    assert h.pread(4096, 0) == bytes(4096)\n"
+      "    n += 1\n"
+      "print(n)\n";
+  ASSERT_EQ(::access("/usr/bin/python3", X_OK), 0);
+  std::thread other([&] { other_out = st::run({"/usr/bin/python3", "-c", script, uri}); });
+
+  RawClient raw(nbd_socket());
+  ASSERT_TRUE(raw.ok());
+  ASSERT_TRUE(raw.option(kOptStartTls));
+  ASSERT_EQ(raw.reply_type(), kRepAck);
+  gnutls_psk_client_credentials_t psk = nullptr;
+  ASSERT_EQ(gnutls_psk_allocate_client_credentials(&psk), 0);
+  const std::string key = data_of(a)["tls_psk_key"];
+  const gnutls_datum_t key_datum{reinterpret_cast<unsigned char*>(const_cast<char*>(key.data())),
+                                 static_cast<unsigned>(key.size())};
+  ASSERT_EQ(gnutls_psk_set_client_credentials(psk, a["id"].get<std::string>().c_str(), &key_datum,
+                                              GNUTLS_PSK_KEY_HEX),
+            0);
+  gnutls_session_t session = nullptr;
+  ASSERT_EQ(gnutls_init(&session, GNUTLS_CLIENT), 0);
+  ASSERT_EQ(gnutls_priority_set_direct(session, "NORMAL:+ECDHE-PSK:+PSK", nullptr), 0);
+  ASSERT_EQ(gnutls_credentials_set(session, GNUTLS_CRD_PSK, psk), 0);
+  gnutls_transport_set_int(session, raw.fd());
+  int rc = 0;
+  do {
+    rc = gnutls_handshake(session);
+  } while (rc < 0 && gnutls_error_is_fatal(rc) == 0);
+  ASSERT_EQ(rc, 0) << gnutls_strerror(rc);
+  auto send_tls = [&](const std::string& bytes) {
+    return gnutls_record_send(session, bytes.data(), bytes.size()) ==
+           static_cast<ssize_t>(bytes.size());
+  };
+  auto recv_tls = [&](size_t n) {
+    std::string out(n, '\0');
+    size_t got = 0;
+    while (got < n) {
+      const ssize_t r = gnutls_record_recv(session, out.data() + got, n - got);
+      if (r <= 0) return std::string();
+      got += static_cast<size_t>(r);
+    }
+    return out;
+  };
+  auto be32 = [](uint32_t v) {
+    v = htonl(v);
+    return std::string(reinterpret_cast<const char*>(&v), 4);
+  };
+  // NBD_OPT_GO for the export; replies until NBD_REP_ACK.
+  const std::string info = info_payload(data_of(a)["export_name"]);
+  ASSERT_TRUE(
+      send_tls("IHAVEOPT" + be32(kOptGo) + be32(static_cast<uint32_t>(info.size())) + info));
+  for (uint32_t type = 0; type != kRepAck;) {
+    const std::string header = recv_tls(20);
+    ASSERT_EQ(header.size(), 20u);
+    uint32_t length = 0;
+    std::memcpy(&type, header.data() + 12, 4);
+    std::memcpy(&length, header.data() + 16, 4);
+    type = ntohl(type);
+    ASSERT_EQ(type & (1u << 31), 0u) << "an error reply: " << (type & 0x7fffffff);
+    recv_tls(ntohl(length));
+  }
+  // One read, answered: the session serves.
+  const std::string read = be32(0x25609513) + std::string(2, '\0') + std::string(1, '\0') +
+                           std::string(1, '\0') + std::string(8, '\x01') + std::string(8, '\0') +
+                           be32(4096);
+  ASSERT_TRUE(send_tls(read));
+  const std::string reply = recv_tls(16 + 4096);
+  ASSERT_EQ(reply.size(), 16u + 4096u);
+  EXPECT_EQ(reply.substr(0, 4), be32(0x67446698));
+  // Then an application-data record the session did not make.
+  const std::string forged = std::string("\x17\x03\x03\x00\x40", 5) + std::string(64, '\x5a');
+  ASSERT_TRUE(raw.send_all(forged.data(), forged.size()));
+  EXPECT_TRUE(raw.closed_within(std::chrono::seconds(5)));
+  gnutls_deinit(session);
+  gnutls_psk_free_client_credentials(psk);
+
+  other.join();
+  EXPECT_EQ(other_out.status, 0) << other_out.output;
+  EXPECT_GT(std::stoi("0" + other_out.output), 0) << other_out.output;
+  st::RunResult after = st::run({"nbdinfo", "--size", uri});
+  EXPECT_EQ(after.status, 0) << after.output;
+  EXPECT_NE(daemon_->log().find("sent a TLS record that fails"), std::string::npos)
+      << daemon_->log();
+}
+
+// Revocation reaches TLS connections too: a detach closes a live one, and the daemon stops
+// cleanly with another still connected and idle.
 TEST_F(TlsTest, ADetachCutsALiveTlsConnectionAndStopDoesNotWaitForIdleOnes) {
   SHAREBLK_REQUIRE(::access("/usr/bin/python3", X_OK) == 0,
                    "needs Debian's python3 (python3-libnbd)");

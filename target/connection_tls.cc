@@ -1,0 +1,116 @@
+// The TLS half of a connection's transmission phase (docs/nbd.md, "TLS"): the worker receives
+// and sends records on the client's socket, and the connection's GnuTLS session turns them
+// into the request stream and its replies into records, in memory (target/tls.h).
+#include <spdlog/spdlog.h>
+#include <sys/socket.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <string_view>
+
+#include "target/worker.h"
+
+namespace shareblk::target {
+
+// TLS: a connection we end tells the client with close_notify (RFC 8446 6.1), if the socket
+// has room for it now and no records are half sent; nothing waits for a client that takes
+// nothing.
+void Connection::say_goodbye() {
+  if (!tls_ || send_pending_ || tls_->has_output()) return;
+  tls_->close_notify();
+  const std::string_view out = tls_->output();
+  if (!out.empty()) (void)::send(fd_, out.data(), out.size(), MSG_DONTWAIT | MSG_NOSIGNAL);
+}
+
+void Connection::post_cipher_recv() {
+  size_t room = 0;
+  char* space = tls_->cipher_space(room);
+  worker_.ring().recv(fd_, space, room, &cipher_done_);
+}
+
+void Connection::on_cipher(int res) {
+  if (res == -EINTR || res == -EAGAIN) {
+    post_cipher_recv();
+    return;
+  }
+  if (res <= 0) {
+    on_recv(res);  // the end or a failure, as without TLS
+    return;
+  }
+  tls_->cipher_received(static_cast<size_t>(res));
+  tls_read();
+}
+
+void Connection::tls_read() {
+  tls_read_scheduled_ = false;
+  if (!reading_ || broken_) {  // drain() or abort() came first: as if the socket had ended
+    on_recv(0);
+    return;
+  }
+  // As much of the stream as is here and fits: a 1 MiB payload is many records.
+  size_t got = 0;
+  ssize_t n = 0;
+  while (got < tls_room_ && (n = tls_->read(tls_into_ + got, tls_room_ - got)) > 0) {
+    got += static_cast<size_t>(n);
+  }
+  // Reading may have made records to send (a TLS 1.3 key update is answered).
+  if (tls_->has_output()) send_more();
+  if (got > 0) {
+    on_recv(static_cast<int>(got));  // an error after these bytes comes again on the next read
+    return;
+  }
+  if (n == -EAGAIN) {
+    post_cipher_recv();
+    return;
+  }
+  if (n < 0) {
+    spdlog::warn("nbd: a client of {} sent a TLS record that fails, disconnecting", group());
+    broken_ = true;  // nothing more can be encrypted for it either
+    ::shutdown(fd_, SHUT_RDWR);
+  }
+  on_recv(0);  // close_notify, or the record that failed: the stream ends here
+}
+
+// With TLS the ciphertext goes out in one buffer, whatever replies it holds: what is still to
+// send is sent before more is encrypted, so that a client that takes its replies slowly holds
+// at most one batch of them twice (plaintext and records).
+void Connection::tls_flush(bool with_others) {
+  if (send_pending_ || broken_) return;
+  if (!tls_->has_output() && sendq_head_ != nullptr) {
+    // At most this much plaintext per batch: the rest waits for the records to leave.
+    constexpr size_t kBatchBytes = 256 * 1024;
+    int n = 0;
+    size_t bytes = 0;
+    for (Request* r = sendq_head_; r != nullptr && bytes < kBatchBytes && n < kMaxSendIov;
+         r = r->next) {
+      for (int i = r->iov_first; i < r->iov_count && n < kMaxSendIov && bytes < kBatchBytes; ++i) {
+        send_iov_[n] = r->iov[i];
+        send_iov_[n].iov_len = std::min(send_iov_[n].iov_len, kBatchBytes - bytes);
+        bytes += send_iov_[n++].iov_len;
+      }
+    }
+    if (tls_->write(send_iov_, n) != 0) {
+      on_sent(-EIO);  // the session cannot go on: as if the client were gone
+      return;
+    }
+    replies_sent(bytes);  // encrypted: the requests and their buffers are done with
+  }
+  const std::string_view out = tls_->output();
+  if (out.empty()) return;
+  send_iov_[0] = {const_cast<char*>(out.data()), out.size()};
+  send_msg_.msg_iov = send_iov_;
+  send_msg_.msg_iovlen = 1;
+  if (!with_others) {
+    const ssize_t sent = ::sendmsg(fd_, &send_msg_, MSG_DONTWAIT | MSG_NOSIGNAL);
+    if (sent >= 0 || (errno != EAGAIN && errno != EWOULDBLOCK)) {
+      on_sent(sent < 0 ? -errno : static_cast<int>(sent));  // may delete this
+      return;
+    }
+  }
+  worker_.ring().sendmsg(fd_, &send_msg_, &send_done_);  // sent when there is room
+  send_pending_ = true;
+  send_posted_ = std::chrono::steady_clock::now();
+  worker_.send_queued();
+}
+
+}  // namespace shareblk::target
