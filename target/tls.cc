@@ -442,7 +442,9 @@ void TlsConnection::sent(size_t n) {
   if (out_pos_ < out_.size()) return;
   out_.clear();
   out_pos_ = 0;
-  out_.swap(out_next_);  // what came meanwhile goes next; the buffers take turns
+  // What came meanwhile goes next. Only then do the buffers trade places: out_ keeps the room
+  // a batch needs, and out_next_ stays small.
+  if (!out_next_.empty()) out_.swap(out_next_);
 }
 
 }  // namespace shareblk::target
