@@ -113,7 +113,13 @@ Json Service::attachment_create(const AttachmentSpec& spec) {
     if (is_live(other.attach_status)) current.push_back(std::move(other));
   }
   refuse_duplicate(current, a, a.attached_host);
-  if (!current.empty()) {
+  // The same instance may attach a volume that is not multiattach once more, from another
+  // host: a live migration holds both hosts' attachments until the old one is deleted
+  // (Cinder's _attachment_reserve allows exactly this). It is not a second user.
+  const bool same_instance = std::all_of(
+      current.begin(), current.end(),
+      [&](const AttachmentRow& other) { return other.instance_uuid == a.instance_uuid; });
+  if (!current.empty() && !(same_instance && !v.multiattach)) {
     if (!v.multiattach) {
       throw ApiError("not_multiattach", "volume " + v.id + " is attached (" + current.front().id +
                                             ") and is not multiattach");

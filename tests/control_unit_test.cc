@@ -463,6 +463,27 @@ TEST_F(ControlPlaneTest, NonMultiattachVolumeHoldsOneLiveAttachment) {
   EXPECT_EQ(second["attach_status"], "reserved");
 }
 
+// Live migration (Cinder's _attachment_reserve): the instance that holds a volume that is not
+// multiattach may attach it once more from another host, until the old host's attachment is
+// deleted; another instance may not, and the same host twice is a duplicate.
+TEST_F(ControlPlaneTest, TheSameInstanceMayAttachFromASecondHostWhileItMigrates) {
+  const std::string id = create_volume()["id"];
+  const std::string source = attach(id, "instance-1", {{"connector", unix_connector("h1")}})["id"];
+  const Json target = attach(id, "instance-1", {{"connector", unix_connector("h2")}});
+  EXPECT_EQ(target["attach_status"], "attaching");
+  EXPECT_EQ(reason("attachment_create", {{"volume_id", id},
+                                         {"instance_uuid", "instance-2"},
+                                         {"connector", unix_connector("h3")}}),
+            "not_multiattach");
+  EXPECT_EQ(reason("attachment_create", {{"volume_id", id},
+                                         {"instance_uuid", "instance-1"},
+                                         {"connector", unix_connector("h2")}}),
+            "duplicate_attachment");
+  ok("attachment_delete", {{"attachment_id", source}});
+  EXPECT_EQ(volume_status(id), "attaching");
+  EXPECT_EQ(ok("volume_show", {{"volume_id", id}})["attachments"].size(), 1u);
+}
+
 TEST_F(ControlPlaneTest, DuplicateAttachmentIsRefused) {
   const std::string id = create_volume("1M", /*multiattach=*/true)["id"];
   const std::string first = attach(id, "instance-1", {{"attached_host", "h1"}})["id"];
