@@ -226,7 +226,7 @@ void Connection::recv_into(char* into, size_t length) {
   }
   tls_into_ = into;
   tls_room_ = length;
-  if (tls_->readable()) {  // not from here: the caller may be in the middle of a reply
+  if (tls_failed_ || tls_->readable()) {  // not from here: the caller may be mid-reply
     tls_read_scheduled_ = true;
     worker_.schedule_tls_read(this);
     return;

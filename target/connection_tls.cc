@@ -49,14 +49,18 @@ void Connection::tls_read() {
   }
   // As much of the stream as is here and fits: a 1 MiB payload is many records.
   size_t got = 0;
-  ssize_t n = 0;
-  while (got < tls_room_ && (n = tls_->read(tls_into_ + got, tls_room_ - got)) > 0) {
+  ssize_t n = tls_failed_ ? -EPROTO : 0;
+  while (!tls_failed_ && got < tls_room_ &&
+         (n = tls_->read(tls_into_ + got, tls_room_ - got)) > 0) {
     got += static_cast<size_t>(n);
   }
   // Reading may have made records to send (a TLS 1.3 key update is answered).
   if (tls_->has_output()) send_more();
   if (got > 0) {
-    on_recv(static_cast<int>(got));  // an error after these bytes comes again on the next read
+    // The bytes before a record that failed are the client's requests all the same; the
+    // failure ends the connection at the next read, which recv_into() then does at once.
+    tls_failed_ = n < 0 && n != -EAGAIN;
+    on_recv(static_cast<int>(got));
     return;
   }
   if (n == -EAGAIN) {
@@ -65,7 +69,11 @@ void Connection::tls_read() {
   }
   if (n < 0) {
     spdlog::warn("nbd: a client of {} sent a TLS record that fails, disconnecting", group());
-    broken_ = true;  // nothing more can be encrypted for it either
+    // Nothing more can be encrypted for it either: its replies go unsent, as for a client
+    // that is gone. (Not abort(): it may delete this connection; on_recv() closes it.)
+    broken_ = true;
+    drop_replies();
+    qos_drop();
     ::shutdown(fd_, SHUT_RDWR);
   }
   on_recv(0);  // close_notify, or the record that failed: the stream ends here

@@ -265,6 +265,7 @@ class Connection {
   char* tls_into_ = nullptr;
   size_t tls_room_ = 0;
   bool tls_read_scheduled_ = false;
+  bool tls_failed_ = false;  // a record failed after bytes that were still delivered
   bool recv_pending_ = false;
   bool reading_ = true;  // false after EOF, NBD_CMD_DISC, a protocol error or drain()
   bool broken_ = false;  // the socket failed: replies are dropped
