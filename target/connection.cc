@@ -654,6 +654,10 @@ void Connection::flush(bool with_others) {
   }
   send_msg_.msg_iov = send_iov_;
   send_msg_.msg_iovlen = static_cast<size_t>(n);
+  send_prepared(with_others);
+}
+
+void Connection::send_prepared(bool with_others) {
   if (!with_others) {
     const ssize_t sent = ::sendmsg(fd_, &send_msg_, MSG_DONTWAIT | MSG_NOSIGNAL);
     if (sent >= 0 || (errno != EAGAIN && errno != EWOULDBLOCK)) {

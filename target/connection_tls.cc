@@ -108,17 +108,7 @@ void Connection::tls_flush(bool with_others) {
   send_iov_[0] = {const_cast<char*>(out.data()), out.size()};
   send_msg_.msg_iov = send_iov_;
   send_msg_.msg_iovlen = 1;
-  if (!with_others) {
-    const ssize_t sent = ::sendmsg(fd_, &send_msg_, MSG_DONTWAIT | MSG_NOSIGNAL);
-    if (sent >= 0 || (errno != EAGAIN && errno != EWOULDBLOCK)) {
-      on_sent(sent < 0 ? -errno : static_cast<int>(sent));  // may delete this
-      return;
-    }
-  }
-  worker_.ring().sendmsg(fd_, &send_msg_, &send_done_);  // sent when there is room
-  send_pending_ = true;
-  send_posted_ = std::chrono::steady_clock::now();
-  worker_.send_queued();
+  send_prepared(with_others);
 }
 
 }  // namespace shareblk::target

@@ -203,6 +203,9 @@ class Connection {
   void on_cipher(int res);
   // TLS: encrypts queued replies and sends what is encrypted.
   void tls_flush(bool with_others);
+  // Sends send_msg_: at once with one sendmsg, or (`with_others`, or the socket is full) as
+  // an io_uring operation; on_sent() follows either way.
+  void send_prepared(bool with_others);
   // The first `n` bytes of the queued replies are out (or encrypted): their requests go.
   void replies_sent(size_t n);
   void drop_partial_request();
