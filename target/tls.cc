@@ -218,6 +218,13 @@ bool TlsConnection::wait(short events, std::chrono::steady_clock::time_point dea
   }
 }
 
+ssize_t TlsConnection::take_received(void* buf, size_t size) {
+  const size_t n = std::min(size, in_end_ - in_pos_);
+  std::memcpy(buf, in_.get() + in_pos_, n);
+  in_pos_ += n;
+  return static_cast<ssize_t>(n);
+}
+
 ssize_t TlsConnection::pull(gnutls_transport_ptr_t self, void* buf, size_t size) {
   auto* c = static_cast<TlsConnection*>(self);
   while (c->in_pos_ == c->in_end_) {
@@ -238,10 +245,7 @@ ssize_t TlsConnection::pull(gnutls_transport_ptr_t self, void* buf, size_t size)
       return -1;
     }
   }
-  const size_t n = std::min(size, c->in_end_ - c->in_pos_);
-  std::memcpy(buf, c->in_.get() + c->in_pos_, n);
-  c->in_pos_ += n;
-  return static_cast<ssize_t>(n);
+  return c->take_received(buf, size);
 }
 
 int TlsConnection::pull_timeout(gnutls_transport_ptr_t self, unsigned int ms) {
@@ -354,10 +358,7 @@ ssize_t TlsConnection::memory_pull(gnutls_transport_ptr_t self, void* buf, size_
     gnutls_transport_set_errno(c->session_, EAGAIN);
     return -1;
   }
-  const size_t n = std::min(size, c->in_end_ - c->in_pos_);
-  std::memcpy(buf, c->in_.get() + c->in_pos_, n);
-  c->in_pos_ += n;
-  return static_cast<ssize_t>(n);
+  return c->take_received(buf, size);
 }
 
 ssize_t TlsConnection::memory_push(gnutls_transport_ptr_t self, const giovec_t* iov, int count) {

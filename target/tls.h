@@ -105,6 +105,8 @@ class TlsConnection final : public TlsUpgrade {
   static int pull_timeout(gnutls_transport_ptr_t self, unsigned int ms);
   static ssize_t memory_pull(gnutls_transport_ptr_t self, void* buf, size_t size);
   static ssize_t memory_push(gnutls_transport_ptr_t self, const giovec_t* iov, int count);
+  // Gives GnuTLS up to `size` of the bytes received and not yet taken (both pulls' one copy).
+  ssize_t take_received(void* buf, size_t size);
   // Waits until fd_ is ready for `events`, at most until `deadline`; false when it passed.
   bool wait(short events, std::chrono::steady_clock::time_point deadline) const;
 
