@@ -22,6 +22,7 @@
 
 #include <array>
 #include <atomic>
+#include <cerrno>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -162,6 +163,9 @@ class Volume {
 // change of this attachment is running, and none will start until grant(): NVMe's
 // preempt-and-abort guarantee, which the Linux target gives the same way (it waits for the
 // preempted host's commands instead of aborting them).
+// pause() is the same wait without the refusal: a change that meets a paused gate waits (the
+// engine holds it) until resume(), so that a snapshot sees the volume between requests
+// (docs/snapshots.md, "Crash consistency").
 class WriteAccess {
  public:
   explicit WriteAccess(bool granted) : granted_(granted) {}
@@ -173,15 +177,25 @@ class WriteAccess {
   // Closes the gate, then waits for the changes in flight: a change stuck in the kernel holds
   // it up (the engines have no way to abort one that has started).
   void revoke();
+  // Holds new changes, then waits for the changes in flight, as revoke() does. Pauses nest:
+  // changes go on once every pause() has had its resume().
+  void pause();
+  void resume();
+  bool paused() const { return pauses_.load(std::memory_order_seq_cst) != 0; }
+  // For the synchronous engine: returns once the gate is not paused.
+  void wait_resumed() const;
   // Changes admitted and not yet finished (for tests and logs).
   uint32_t in_flight() const { return in_flight_.load(std::memory_order_seq_cst); }
 
   // For the engines, once per change: enter() says whether it may start, and counts it if so;
   // leave() once it is done. Sequentially consistent on both sides, so that a change either
   // sees the gate closed or is seen by revoke() as in flight.
+  // A false enter() of a gate that is paused() is to be tried again after the pause.
   bool enter() {
     in_flight_.fetch_add(1, std::memory_order_seq_cst);
-    if (granted_.load(std::memory_order_seq_cst)) return true;
+    if (granted_.load(std::memory_order_seq_cst) && pauses_.load(std::memory_order_seq_cst) == 0) {
+      return true;
+    }
     leave();
     return false;
   }
@@ -190,9 +204,15 @@ class WriteAccess {
   }
 
  private:
+  void wait_drained();
   std::atomic<bool> granted_;
   std::atomic<uint32_t> in_flight_{0};  // 32 bits: a futex waits on it directly
+  std::atomic<uint32_t> pauses_{0};
 };
+
+// The result of a change whose attachment's write access is paused (WriteAccess::pause):
+// nothing was done, and the engine runs it again once the pause is over.
+inline constexpr int kPaused = EAGAIN;
 
 // Whether `op` changes the volume's bytes: what a read-only attachment and WriteAccess refuse.
 inline bool is_change(Op op) {
@@ -358,7 +378,9 @@ class Ring {
   Ring& operator=(const Ring&) = delete;
 
   // Admits the request through `handle` and starts it; done() runs from a later run_once()
-  // (or at once, with the admission error). `handle` must outlive the request.
+  // (or at once, with the admission error). `handle` must outlive the request. A change met by
+  // a paused write access gets done(kPaused) at once, having done nothing: the caller holds it
+  // and submits it again later (the engine has no timer of its own).
   void submit(const Handle& handle, IoRequest* request);
 
   // Registers [buf, buf+length) with the kernel, so that reads and writes into it skip pinning

@@ -82,7 +82,11 @@ char* bounce_for(const Volume& v, const void* buf, uint64_t length, uint64_t off
 int Handle::execute(Op op, void* buf, uint64_t length, uint64_t offset, uint32_t flags) const {
   Work work{op, flags, offset, length, static_cast<char*>(buf)};
   DispatchCursor cursor{};
-  const int started = begin(*this, work, cursor);
+  int started = begin(*this, work, cursor);
+  while (started == kPaused) {  // this thread is the frontend's own: it may wait here
+    access_->wait_resumed();
+    started = begin(*this, work, cursor);
+  }
   if (started != kMoreSteps) return started;
   Volume& volume = *volume_;
   char* bounce =

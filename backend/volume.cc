@@ -247,6 +247,26 @@ Volume::Location Volume::locate(uint64_t offset, uint64_t length, const void* bu
 
 void WriteAccess::revoke() {
   granted_.store(false, std::memory_order_seq_cst);
+  wait_drained();
+}
+
+void WriteAccess::pause() {
+  pauses_.fetch_add(1, std::memory_order_seq_cst);
+  wait_drained();
+}
+
+void WriteAccess::resume() {
+  if (pauses_.fetch_sub(1, std::memory_order_seq_cst) == 1) pauses_.notify_all();
+}
+
+void WriteAccess::wait_resumed() const {
+  for (uint32_t n = pauses_.load(std::memory_order_seq_cst); n != 0;
+       n = pauses_.load(std::memory_order_seq_cst)) {
+    pauses_.wait(n, std::memory_order_seq_cst);
+  }
+}
+
+void WriteAccess::wait_drained() {
   for (uint32_t n = in_flight_.load(std::memory_order_seq_cst); n != 0;
        n = in_flight_.load(std::memory_order_seq_cst)) {
     in_flight_.wait(n, std::memory_order_seq_cst);

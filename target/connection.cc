@@ -134,6 +134,10 @@ QosCost qos_cost(uint16_t type, uint64_t length) {
 }  // namespace
 
 void Request::done(int err) {
+  if (err == backend::kPaused && backend::is_change(op)) {
+    conn->hold_paused(this);
+    return;
+  }
   conn->finish_request(this, err);
 }
 
@@ -423,11 +427,21 @@ void Connection::dispatch(Request* r) {
   // Without a limit on the attachment or its volume this one test is all QoS costs. While
   // requests wait, later ones queue behind them, whatever they are: a connection's requests
   // start in the order they came.
-  if (kQos && (qos_.engaged() || qos_head_ != nullptr)) [[unlikely]] {
+  if ((kQos && qos_.engaged()) || qos_head_ != nullptr) [[unlikely]] {
     qos_hold(r);
     return;
   }
   run(r);
+}
+
+void Connection::hold_paused(Request* r) {
+  r->paused = true;
+  r->next = qos_head_;
+  qos_head_ = r;
+  if (qos_tail_ == nullptr) qos_tail_ = r;
+  if (qos_timer_) worker_.cancel_qos_wait(*qos_timer_);
+  qos_timer_ =
+      worker_.qos_wait(this, std::chrono::steady_clock::now() + std::chrono::milliseconds(1));
 }
 
 void Connection::qos_hold(Request* r) {
@@ -459,7 +473,7 @@ void Connection::qos_start_ready() {
   while (qos_head_ != nullptr) {
     Request* r = qos_head_;
     std::chrono::nanoseconds wait{0};
-    if (qos_.engaged()) {
+    if (!r->paused && qos_.engaged()) {
       const QosCost cost = qos_cost(r->type, r->length);
       wait = qos_.admit(cost.dir, cost.bytes, now);
     }
@@ -474,8 +488,10 @@ void Connection::qos_start_ready() {
     }
     qos_head_ = r->next;
     if (qos_head_ == nullptr) qos_tail_ = nullptr;
+    r->paused = false;
     run(r);
-    if (broken_) {  // its reply failed to go: the rest are dropped
+    if (qos_head_ == r) return;  // held by a pause again; its timer is set
+    if (broken_) {               // its reply failed to go: the rest are dropped
       qos_drop();
       return;
     }

@@ -128,6 +128,9 @@ struct Request final : backend::IoRequest {
   uint32_t payload_size = 0;  // bytes of `buf` (pool size), 0 when none
   // The connection's QoS queue while the request waits there, then its reply queue.
   Request* next = nullptr;
+  // It met a paused write access (a snapshot) after QoS let it through: it waits at the head
+  // of the QoS queue, and is not charged again.
+  bool paused = false;
 
   // The encoded reply: headers in `reply`, data straight from `buf`.
   uint8_t reply[kReplyBytes];
@@ -158,6 +161,9 @@ class Connection {
   const std::string& group() const { return session_.exp.group; }
   uint64_t serial() const { return session_.serial; }
   void finish_request(Request* r, int err);
+  // `r` met a paused write access: it goes back to the head of the QoS queue, looked at again
+  // every millisecond until the pause is over.
+  void hold_paused(Request* r);
   void on_recv(int res);
   void on_sent(int res);
   // TLS: decrypts what has come into where post_recv() wanted it; the worker calls it for a

@@ -282,6 +282,52 @@ TEST_F(BackendTest, WithoutWriteAccessEveryChangeIsRefused) {
   EXPECT_EQ(access->in_flight(), 0u);
 }
 
+// A paused gate holds changes instead of refusing them: the synchronous engine (FUSE, nbdkit)
+// waits on its thread and then writes; pause() waits for the change in flight as revoke() does;
+// a revoke during a pause still refuses.
+TEST_F(BackendTest, APausedGateHoldsChangesUntilItResumes) {
+  auto access = std::make_shared<backend::WriteAccess>(true);
+  const Handle writer(volume_, AttachMode::ReadWrite, access);
+  ASSERT_TRUE(access->enter());  // a change in flight
+  std::atomic<bool> paused{false};
+  std::thread pauser([&] {
+    access->pause();
+    paused = true;
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  EXPECT_FALSE(paused.load()) << "pause() returned with a change in flight";
+  access->leave();
+  pauser.join();
+  EXPECT_TRUE(access->paused());
+  EXPECT_FALSE(access->enter());
+  EXPECT_EQ(writer.admit(Op::Write, 0, 4096), 0) << "a pause is not a refusal";
+
+  std::atomic<int> result{-1};
+  std::thread held([&] {
+    AlignedBuffer buf(4096);
+    std::memset(buf.data(), 0x77, 4096);
+    result = writer.write(buf.data(), 4096, 0, 0);
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  EXPECT_EQ(result.load(), -1) << "a write went through a paused gate";
+  EXPECT_EQ(on_disk(0, 4096), std::string(4096, '\xab'));
+  access->resume();
+  held.join();
+  EXPECT_EQ(result.load(), 0);
+  EXPECT_EQ(on_disk(0, 4096), std::string(4096, '\x77'));
+
+  access->pause();
+  access->pause();  // pauses nest
+  access->resume();
+  EXPECT_TRUE(access->paused());
+  access->revoke();
+  AlignedBuffer buf(4096);
+  EXPECT_EQ(writer.write(buf.data(), 4096, 0, 0), EPERM) << "revoked while paused: refused";
+  access->resume();
+  EXPECT_FALSE(access->paused());
+  EXPECT_EQ(access->in_flight(), 0u);
+}
+
 // revoke() returns only once the changes that entered have left; none enters after it.
 TEST(WriteAccess, RevokeWaitsForTheChangesInFlight) {
   backend::WriteAccess access(true);
