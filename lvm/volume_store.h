@@ -49,7 +49,18 @@ class VolumeStore {
   virtual StoreError refresh(const std::string& id, uint64_t size, backend::Volume& volume) = 0;
   // Ids that have backing, to reconcile with the control plane's state at start-up.
   virtual StoreError list(std::vector<std::string>& ids) = 0;
+  // Makes backing `to` of `size` bytes (at least `from`'s) that holds `from`'s bytes by sharing
+  // its blocks (a reflink), in a moment whatever the size; the rest reads as zeroes. ENOTSUP
+  // where the store or its file system cannot: the caller then creates `to` and copies
+  // (copy_volume). EEXIST if `to` has backing.
+  virtual StoreError clone(const std::string& from, const std::string& to, uint64_t size);
 };
+
+// Copies the first `length` bytes of `from` into `to`, a freshly made backing that reads as
+// zeroes: what reads as zeroes (holes, zero blocks) is skipped, not written, so a sparse volume
+// stays sparse. Syncs `to` before it returns; tells `progress` (ECANCELED when it says stop).
+StoreError copy_volume(const backend::Volume& from, const backend::Volume& to, uint64_t length,
+                       const Progress& progress);
 
 // Volumes as files `<dir>/<id>.img`: sparse (blocks are allocated as they are written, so a
 // write may find the file system full), or with every block reserved at create and extend

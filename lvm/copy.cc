@@ -1,0 +1,104 @@
+// Copying one volume's bytes into another's backing (snapshots and clones, docs/snapshots.md).
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+
+#include "lvm/volume_store.h"
+
+namespace shareblk::lvm {
+
+namespace {
+
+constexpr uint64_t kChunk = 1 << 20;
+constexpr uint64_t kBlock = 64 << 10;  // what is skipped when it reads as zeroes
+
+StoreError failure(int err, const std::string& what) {
+  return {std::error_code(err, std::generic_category()),
+          what + ": " + std::generic_category().message(err)};
+}
+
+bool all_zero(const char* p, size_t n) {
+  return n == 0 || (p[0] == 0 && std::memcmp(p, p + 1, n - 1) == 0);
+}
+
+// Moves `n` bytes between `buf` and `volume` at `offset`, piece by piece as they lie on its
+// devices. Returns errno.
+int transfer(const backend::Volume& volume, bool write, char* buf, uint64_t n, uint64_t offset) {
+  for (uint64_t done = 0; done < n;) {
+    const backend::Volume::Location at = volume.locate(offset + done, n - done, buf + done);
+    if (at.fd < 0) return EIO;
+    const auto pos = static_cast<off_t>(at.offset);
+    const ssize_t got = write ? ::pwrite(at.fd, buf + done, at.length, pos)
+                              : ::pread(at.fd, buf + done, at.length, pos);
+    if (got < 0) {
+      if (errno == EINTR) continue;
+      return errno;
+    }
+    if (got == 0) return EIO;  // the backing is shorter than the volume
+    done += static_cast<uint64_t>(got);
+  }
+  return 0;
+}
+
+// Where the next data at or after `offset` begins in a file volume (SEEK_DATA), so that holes
+// are skipped without being read; `offset` itself for anything else.
+uint64_t next_data(const backend::Volume& volume, uint64_t offset, uint64_t length) {
+  if (volume.is_block_device() || volume.is_mapped() || !volume.may_have_holes()) return offset;
+  const backend::Volume::Location at = volume.locate_buffered(offset, length - offset);
+  if (at.fd < 0) return offset;
+  const off_t data = ::lseek(at.fd, static_cast<off_t>(at.offset), SEEK_DATA);
+  if (data < 0) return errno == ENXIO ? length : offset;  // ENXIO: nothing but hole to the end
+  return std::min(length, static_cast<uint64_t>(data));
+}
+
+}  // namespace
+
+StoreError copy_volume(const backend::Volume& from, const backend::Volume& to, uint64_t length,
+                       const Progress& progress) {
+  // Aligned, so that both sides use their O_DIRECT descriptors: a copy passes through no page
+  // cache, and leaves none of the volume's bytes there.
+  std::unique_ptr<char, decltype(&std::free)> buf(
+      static_cast<char*>(std::aligned_alloc(4096, kChunk)), &std::free);
+  if (!buf) return failure(ENOMEM, "copy buffer");
+  uint64_t offset = 0;
+  while (offset < length) {
+    if (progress && !progress(offset, length)) return failure(ECANCELED, "copy stopped");
+    const uint64_t data = next_data(from, offset, length);
+    if (data != offset) {             // a hole: the new backing reads zeroes there already
+      offset = data & ~(kChunk - 1);  // still whole chunks: `offset` was one's start
+      if (offset >= length) break;
+    }
+    const uint64_t n = std::min(kChunk, length - offset);
+    if (int err = transfer(from, false, buf.get(), n, offset)) {
+      return failure(err, "read " + from.path());
+    }
+    // Runs of non-zero blocks only, so that zeroes inside a chunk stay unallocated too.
+    for (uint64_t at = 0; at < n;) {
+      const uint64_t block = std::min(kBlock, n - at);
+      if (all_zero(buf.get() + at, block)) {
+        at += block;
+        continue;
+      }
+      uint64_t run = block;
+      while (at + run < n && !all_zero(buf.get() + at + run, std::min(kBlock, n - at - run))) {
+        run += std::min(kBlock, n - at - run);
+      }
+      if (int err = transfer(to, true, buf.get() + at, run, offset + at)) {
+        return failure(err, "write " + to.path());
+      }
+      at += run;
+    }
+    offset += n;
+  }
+  for (size_t i = 0; i < to.device_count(); ++i) {
+    if (::fdatasync(to.device_fd(i)) != 0) return failure(errno, "sync " + to.path());
+  }
+  if (progress) progress(length, length);
+  return {};
+}
+
+}  // namespace shareblk::lvm
