@@ -143,6 +143,7 @@ Json Service::attachment_create(const AttachmentSpec& spec) {
   if (may_write(a, v)) a.write_access_since = a.created_at;
   // Unreachable until committed: no export of it resolves before that.
   exports_.set_write_access(a.id, may_write(a, v));
+  hold_if_quiesced(v.id, a.id);  // a snapshot of the volume is being copied
   try {
     if (spec.connector != nullptr && !spec.connector->is_null()) {
       connect(tx, a, v, *spec.connector);

@@ -86,8 +86,9 @@ class Statement {
 
 namespace {
 
-// The tables as version 4 has them. Version 0 (0.1.0) had no CHECK on attach_status; version
-// 1 had no volume_intent; version 2 had no writer columns (kWriterColumns), 3 no qos (kQosColumns).
+// The tables as version 4 has them (5 added volume_snapshot). Version 0 (0.1.0) had no CHECK on
+// attach_status; version 1 had no volume_intent; version 2 had no writer columns (kWriterColumns),
+// 3 no qos (kQosColumns).
 const char* kVolumesTable = R"sql(
 CREATE TABLE volumes (
   id          TEXT PRIMARY KEY,
@@ -150,6 +151,21 @@ CREATE TABLE volume_intent (
   created_at TEXT NOT NULL
 );
 )sql";
+
+// 4 → 5: snapshots. A volume with snapshots is never deleted (volume_has_snapshots), so the
+// reference has no cascade.
+const char* kSnapshotTable[] = {
+    R"sql(
+CREATE TABLE volume_snapshot (
+  id         TEXT PRIMARY KEY,
+  volume_id  TEXT NOT NULL REFERENCES volumes(id),
+  name       TEXT NOT NULL,
+  size       INTEGER NOT NULL CHECK (size > 0),
+  created_at TEXT NOT NULL
+);
+)sql",
+    "CREATE INDEX snapshot_by_volume ON volume_snapshot(volume_id);",
+};
 
 std::string attachment_table(const char* name) {
   std::string sql = kAttachmentTableV1;
@@ -346,6 +362,9 @@ void Database::migrate(const std::string& path) {
     if (fresh || version < 4) {
       for (const char* sql : kQosColumns) exec(sql);
     }
+    if (fresh || version < 5) {
+      for (const char* sql : kSnapshotTable) exec(sql);
+    }
     {  // step 10 of SQLite's table rebuild: the copy kept every reference whole
       Statement check(db_, "PRAGMA foreign_key_check");
       if (check.step()) throw DbError("a row refers to a volume that does not exist");
@@ -523,6 +542,44 @@ void Database::Transaction::update_attachment(const AttachmentRow& a) {
               "connector = ?, export_name = ?, created_at = ?, write_access_since = ?, qos = ? "
               "WHERE id = ?1");
   bind_attachment(s, a);
+  s.step();
+}
+
+std::vector<SnapshotRow> Database::Transaction::snapshots(const std::string& volume_id) {
+  std::string sql = "SELECT id, volume_id, name, size, created_at FROM volume_snapshot";
+  if (!volume_id.empty()) sql += " WHERE volume_id = ?";
+  sql += " ORDER BY created_at, id";
+  Statement s(live(), sql.c_str());
+  if (!volume_id.empty()) s.bind(1, volume_id);
+  std::vector<SnapshotRow> rows;
+  while (s.step()) {
+    rows.push_back(
+        {s.text(0), s.text(1), s.text(2), static_cast<uint64_t>(s.integer(3)), s.text(4)});
+  }
+  return rows;
+}
+
+std::optional<SnapshotRow> Database::Transaction::snapshot(const std::string& id) {
+  Statement s(live(),
+              "SELECT id, volume_id, name, size, created_at FROM volume_snapshot WHERE id = ?");
+  s.bind(1, id);
+  if (!s.step()) return std::nullopt;
+  return SnapshotRow{s.text(0), s.text(1), s.text(2), static_cast<uint64_t>(s.integer(3)),
+                     s.text(4)};
+}
+
+void Database::Transaction::insert_snapshot(const SnapshotRow& r) {
+  Statement s(live(),
+              "INSERT INTO volume_snapshot (id, volume_id, name, size, created_at) "
+              "VALUES (?, ?, ?, ?, ?)");
+  s.bind(1, r.id).bind(2, r.volume_id).bind(3, r.name).bind(4, static_cast<int64_t>(r.size));
+  s.bind(5, r.created_at);
+  s.step();
+}
+
+void Database::Transaction::delete_snapshot(const std::string& id) {
+  Statement s(live(), "DELETE FROM volume_snapshot WHERE id = ?");
+  s.bind(1, id);
   s.step();
 }
 

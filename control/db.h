@@ -1,5 +1,5 @@
-// Internal to control/: the SQLite state (volumes, the volume_attachment table, and the
-// volume_intent table of creates and deletes under way).
+// Internal to control/: the SQLite state (volumes, the volume_attachment table, snapshots, and
+// the volume_intent table of creates and deletes under way).
 //
 // One connection, used under one mutex; every change is committed and its WAL synced to disk
 // before the caller replies, so neither a kill -9 nor a power cut loses what was acknowledged.
@@ -63,14 +63,25 @@ struct AttachmentRow {
   std::string qos;  // its QoS spec as JSON text (control/qos.h); "" for none
 };
 
+// A point-in-time copy of a volume (docs/snapshots.md): backing of its own in the store, under
+// its own id, read only by the copies made from it.
+struct SnapshotRow {
+  std::string id;
+  std::string volume_id;
+  std::string name;
+  uint64_t size = 0;  // the volume's when it was taken
+  std::string created_at;
+};
+
 // A volume_create or volume_delete recorded before the store is touched, and removed in the
 // transaction that completes it: one left behind is a call a crash interrupted, which the next
 // start finishes (docs/state.md, "Creates and deletes").
 enum class IntentAction { Create, Delete };
 std::string_view to_string(IntentAction action);
 
+// Snapshots have theirs too, under the snapshot's id (ids are UUIDs: never a volume's too).
 struct IntentRow {
-  std::string volume_id;
+  std::string volume_id;  // or the snapshot's id
   IntentAction action = IntentAction::Create;
   std::string error;  // why the last attempt to finish it failed; empty when none has
   std::string created_at;
@@ -85,7 +96,7 @@ struct DbError : std::runtime_error {
 };
 
 // The schema this build writes. Version 0 is the unversioned schema of 0.1.0.
-inline constexpr int kSchemaVersion = 4;
+inline constexpr int kSchemaVersion = 5;
 
 // "rw" / "ro", as stored and as the API shows them.
 std::string_view to_string(backend::AttachMode mode);
@@ -126,6 +137,11 @@ class Database {
     std::optional<AttachmentRow> attachment_by_export(const std::string& export_name);
     void insert_attachment(const AttachmentRow& a);
     void update_attachment(const AttachmentRow& a);
+
+    std::vector<SnapshotRow> snapshots(const std::string& volume_id = {});  // oldest first
+    std::optional<SnapshotRow> snapshot(const std::string& id);
+    void insert_snapshot(const SnapshotRow& s);
+    void delete_snapshot(const std::string& id);
 
     std::vector<IntentRow> intents();  // oldest first
     std::optional<IntentRow> intent(const std::string& volume_id);

@@ -273,6 +273,7 @@ int code_for(const std::string& reason) {
       {"not_single_writer", -32010},
       {"already_writer", -32011},
       {"volume_busy", -32012},
+      {"volume_has_snapshots", -32013},
   };
   for (const auto& [name, code] : kCodes) {
     if (reason == name) return code;

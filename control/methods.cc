@@ -10,8 +10,12 @@ Json volume_create(Service& s, const Json& p, const Caller&) {
   VolumeSpec spec;
   spec.name = need_string(p, "name", kMaxVolumeName);
   spec.from_image = opt_string(p, "from_image", 4096).value_or("");
-  // With an image, the size may be left to it.
-  spec.size = spec.from_image.empty() || p.contains("size") ? need_size(p, "size") : 0;
+  spec.from_snapshot = opt_string(p, "from_snapshot").value_or("");
+  spec.from_volume = opt_string(p, "from_volume").value_or("");
+  // With a source, the size may be left to it.
+  const bool has_source =
+      !spec.from_image.empty() || !spec.from_snapshot.empty() || !spec.from_volume.empty();
+  spec.size = !has_source || p.contains("size") ? need_size(p, "size") : 0;
   spec.multiattach = opt_bool(p, "multiattach").value_or(false);
   spec.bootable = opt_bool(p, "bootable").value_or(false);
   spec.writer_policy = opt_writer_policy(p, "writer_policy").value_or(WriterPolicy::Multi);
@@ -95,6 +99,23 @@ Json attachment_show(Service& s, const Json& p, const Caller&) {
   return s.attachment_show(need_string(p, "attachment_id"));
 }
 
+Json snapshot_create(Service& s, const Json& p, const Caller&) {
+  const std::string volume_id = need_string(p, "volume_id");
+  return s.snapshot_create(volume_id, need_string(p, "name", kMaxVolumeName));
+}
+
+Json snapshot_list(Service& s, const Json& p, const Caller&) {
+  return s.snapshot_list(opt_string(p, "volume_id").value_or(""));
+}
+
+Json snapshot_show(Service& s, const Json& p, const Caller&) {
+  return s.snapshot_show(need_string(p, "snapshot_id"));
+}
+
+Json snapshot_delete(Service& s, const Json& p, const Caller&) {
+  return s.snapshot_delete(need_string(p, "snapshot_id"), opt_bool(p, "wait").value_or(false));
+}
+
 Json state_backup(Service& s, const Json& p, const Caller&) {
   return s.state_backup(need_string(p, "path", kMaxPath));
 }
@@ -109,8 +130,12 @@ Json export_resolve(Service& s, const Json& p, const Caller& caller) {
 }
 
 // The params each method accepts; any other key is invalid_params.
-constexpr std::string_view kVolumeCreate[] = {
-    "name", "size", "multiattach", "bootable", "writer_policy", "from_image", "qos"};
+constexpr std::string_view kVolumeCreate[] = {"name",          "size",          "multiattach",
+                                              "bootable",      "writer_policy", "from_image",
+                                              "from_snapshot", "from_volume",   "qos"};
+constexpr std::string_view kSnapshotCreate[] = {"volume_id", "name"};
+constexpr std::string_view kSnapshotId[] = {"snapshot_id"};
+constexpr std::string_view kSnapshotDelete[] = {"snapshot_id", "wait"};
 constexpr std::string_view kVolumeDelete[] = {"volume_id", "wait"};
 constexpr std::string_view kVolumeId[] = {"volume_id"};
 constexpr std::string_view kVolumeUpdate[] = {"volume_id", "name",          "multiattach",
@@ -141,6 +166,10 @@ constexpr std::array kMethods = {
     Method{"attachment_delete", kAttachmentId, attachment_delete},
     Method{"attachment_list", kVolumeId, attachment_list},
     Method{"attachment_show", kAttachmentId, attachment_show},
+    Method{"snapshot_create", kSnapshotCreate, snapshot_create},
+    Method{"snapshot_list", kVolumeId, snapshot_list},
+    Method{"snapshot_show", kSnapshotId, snapshot_show},
+    Method{"snapshot_delete", kSnapshotDelete, snapshot_delete},
     Method{"export_resolve", kExportResolve, export_resolve},
     Method{"state_backup", kStateBackup, state_backup},
     Method{"stats", kStats, stats},

@@ -178,6 +178,7 @@ void Service::reconcile() {
     }
   }
   for (const VolumeRow& v : tx.volumes()) known.emplace_back(v.id, v.name);
+  for (const SnapshotRow& s : tx.snapshots()) known.emplace_back(s.id, "snapshot " + s.name);
   volumes_.reconcile(known);
   load_write_access(tx);
   tx.commit();
@@ -208,7 +209,8 @@ void Service::finish_intents() {
     try {
       volumes_.remove(i.volume_id);
       Database::Transaction tx(db_);
-      tx.delete_volume(i.volume_id);  // a fill's row, if any
+      tx.delete_volume(i.volume_id);    // a fill's row, if any
+      tx.delete_snapshot(i.volume_id);  // or a snapshot's
       tx.delete_intent(i.volume_id);
       tx.commit();
       spdlog::info(
@@ -237,9 +239,9 @@ std::optional<std::string> Service::error_of(const std::optional<IntentRow>& int
     if (intent->action == IntentAction::Delete) {
       return "a volume_delete of it failed (" + intent->error + "); delete it again";
     }
-    return "filling it from an image failed (" + intent->error + "); delete it";
+    return "filling it failed (" + intent->error + "); delete it";
   }
-  if (intent) return std::nullopt;  // being deleted or filled
+  if (intent) return std::nullopt;  // being deleted or filled (from an image or a copy)
   return volumes_.missing(volume_id);
 }
 
@@ -249,10 +251,9 @@ void Service::refuse_unusable(Database::Transaction& tx, const VolumeRow& v) {
   if (intent) {
     why = error_of(intent, v.id);
     if (!why) {
-      throw ApiError(
-          "volume_busy",
-          "volume " + v.id + " cannot be attached: it is being " +
-              (intent->action == IntentAction::Delete ? "deleted" : "filled from an image"));
+      throw ApiError("volume_busy",
+                     "volume " + v.id + " cannot be attached: it is being " +
+                         (intent->action == IntentAction::Delete ? "deleted" : "filled"));
     }
   }
   if (!why) why = volumes_.check(v.id, v.size);  // afresh in the store

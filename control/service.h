@@ -12,8 +12,11 @@
 #include <chrono>
 #include <cstdint>
 #include <filesystem>
+#include <functional>
+#include <map>
 #include <mutex>
 #include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -36,8 +39,12 @@ struct VolumeSpec {
   bool multiattach = false;
   bool bootable = false;
   WriterPolicy writer_policy = WriterPolicy::Multi;
-  std::string from_image;  // an image on the daemon's host to fill it from; "" for none
-  target::QosSpec qos;     // docs/qos.md
+  // What it starts as (at most one; "" for none, when it reads as zeroes): an image on the
+  // daemon's host, a snapshot's copy, or a copy of another volume (docs/snapshots.md).
+  std::string from_image;
+  std::string from_snapshot;
+  std::string from_volume;
+  target::QosSpec qos;  // docs/qos.md
 };
 
 // Decoded by volume_update itself, once the volume is found, in the order name, multiattach,
@@ -91,6 +98,12 @@ class Service {
   std::vector<AttachmentStats> attachment_stats(const std::string& attachment_id,
                                                 const std::string& volume_id);
 
+  // snapshots.cc: point-in-time copies of a volume (docs/snapshots.md).
+  Json snapshot_create(const std::string& volume_id, const std::string& name);
+  Json snapshot_list(const std::string& volume_id);  // "" for all
+  Json snapshot_show(const std::string& id);
+  Json snapshot_delete(const std::string& id, bool wait);
+
   // A consistent copy of the state database at `path` (absolute; must not exist), written
   // aside and renamed into place (backup.cc).
   Json state_backup(const std::string& path);
@@ -141,11 +154,31 @@ class Service {
   // At start: the gates of the live attachments, from the database, and no writer that is
   // not a live attachment.
   void load_write_access(Database::Transaction& tx);
-  // volumes.cc: the long parts of a delete and of a create from an image, run by jobs_.
+  // volumes.cc: the long parts of a delete (of a volume or a snapshot) and of a create that
+  // copies bytes in (from an image, a snapshot or a volume), run by jobs_.
   void start_delete(const std::string& id);
   std::optional<ApiError> finish_delete(const std::string& id, const lvm::Progress& progress);
-  std::optional<ApiError> fill(const VolumeRow& v, const std::string& image,
-                               const lvm::ImageInfo& info, const lvm::Progress& progress);
+  // Runs `work`, which writes the bytes of the volume or snapshot `id` (created at
+  // `created_at`; `what` says from where, for the log), then drops its intent: it is available.
+  using Populate = std::function<void(const lvm::Progress&)>;
+  std::optional<ApiError> populate(const std::string& id, const std::string& created_at,
+                                   const std::string& what, const Populate& work,
+                                   const lvm::Progress& progress);
+  // Starts populate() on a job; a job that cannot start leaves the intent with why (status
+  // error).
+  void start_populate(const std::string& id, const std::string& created_at, const std::string& what,
+                      Populate work);
+  // snapshots.cc. Holds the writes of every attachment of the volume between requests (and of
+  // those attached meanwhile) until the returned object goes; under the volume's lock. Refuses
+  // (volume_busy) a volume that is held already: one copy of it at a time.
+  std::shared_ptr<void> quiesce(const std::string& volume_id,
+                                const std::vector<AttachmentRow>& attachments);
+  // attachment_create: an attachment of a held volume starts held.
+  void hold_if_quiesced(const std::string& volume_id, const std::string& attachment_id);
+  // Marks `id` (a volume or a snapshot) as read by a copy until the returned object goes:
+  // deleting it meanwhile is volume_busy.
+  std::shared_ptr<void> read_by_copy(const std::string& id);
+  bool is_copy_source(const std::string& id);
   // Refuses (volume_busy) a change to a volume that a delete or a fill is under way on.
   void refuse_busy(Database::Transaction& tx, const VolumeRow& v, const char* what);
   // service.cc
@@ -170,6 +203,7 @@ class Service {
   Json volume_json(const VolumeRow& v, const std::vector<AttachmentRow>& attachments,
                    const std::optional<IntentRow>& intent);
   Json attachment_json(const AttachmentRow& a, const VolumeRow& v);
+  Json snapshot_json(const SnapshotRow& s, const std::optional<IntentRow>& intent);
   Json connection_info(const AttachmentRow& a, const VolumeRow& v, const Json& connector);
 
   Database db_;
@@ -188,6 +222,11 @@ class Service {
   const std::chrono::system_clock::time_point started_ = std::chrono::system_clock::now();
   std::atomic<uint64_t> refused_unknown_{0};
   std::atomic<uint64_t> refused_by_binding_{0};
+  // snapshots.cc: volumes whose writes are held, with the write accesses held; and the volumes
+  // and snapshots that copies read.
+  std::mutex copies_mutex_;
+  std::map<std::string, std::vector<std::shared_ptr<backend::WriteAccess>>> quiesced_;
+  std::multiset<std::string> copy_sources_;
   // Last: its threads use the members above, and its destructor stops and joins them first.
   VolumeJobs jobs_;
 };

@@ -96,6 +96,24 @@ void VolumeRegistry::fill(const std::string& id, uint64_t size, const std::strin
   }
 }
 
+void VolumeRegistry::copy(const std::string& from, uint64_t length, const std::string& to,
+                          uint64_t size, const lvm::Progress& progress) {
+  const lvm::StoreError cloned = store_.clone(from, to, size);
+  if (!cloned) {
+    if (progress) progress(size, size);
+    return;
+  }
+  if (cloned.code.value() != ENOTSUP) throw store_error(cloned);
+  create(to, size);
+  std::shared_ptr<backend::Volume> source;  // their own handles: no connection has the target
+  std::shared_ptr<backend::Volume> target;
+  if (lvm::StoreError e = store_.open(from, length, source)) throw store_error(e);
+  if (lvm::StoreError e = store_.open(to, size, target)) throw store_error(e);
+  if (lvm::StoreError e = lvm::copy_volume(*source, *target, length, progress)) {
+    throw store_error(e);
+  }
+}
+
 std::shared_ptr<backend::Volume> VolumeRegistry::open(const std::string& id, uint64_t size) {
   std::lock_guard lock(open_mutex_);
   auto& v = open_[id];

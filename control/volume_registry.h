@@ -53,6 +53,12 @@ class VolumeRegistry {
   void fill(const std::string& id, uint64_t size, const std::string& image,
             const lvm::ImageInfo& info, const lvm::Progress& progress);
 
+  // Makes backing `to` of `size` bytes holding the first `length` bytes of `from` (a volume's or
+  // a snapshot's): a reflink where the store has them, else a new backing and a copy
+  // (lvm::copy_volume), telling `progress`.
+  void copy(const std::string& from, uint64_t length, const std::string& to, uint64_t size,
+            const lvm::Progress& progress);
+
   // The open volume, opened on first use; nullptr (logged) when the store cannot open it.
   std::shared_ptr<backend::Volume> open(const std::string& id, uint64_t size);
 

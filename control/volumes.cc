@@ -25,26 +25,86 @@ lvm::ImageInfo inspect(const std::string& path) {
 
 // An intent is recorded before the store is touched and removed in the transaction that adds
 // the row, so that a crash at any point leaves either a whole volume or an intent that the next
-// start rolls back (docs/state.md, "Creates and deletes"). A volume filled from an image gets
-// its row at once and keeps its intent until the fill is done (status "creating").
+// start rolls back (docs/state.md, "Creates and deletes"). A volume that starts as a copy (of an
+// image, a snapshot or a volume) gets its row at once and keeps its intent until the copy is
+// done (status "creating").
 Json Service::volume_create(const VolumeSpec& spec) {
   if (spec.multiattach && !policy().allow_multiattach) {
     throw ApiError("policy_denied", "policy forbids multiattach volumes");
   }
+  if (int{!spec.from_image.empty()} + int{!spec.from_snapshot.empty()} +
+          int{!spec.from_volume.empty()} >
+      1) {
+    invalid("give at most one of from_image, from_snapshot and from_volume");
+  }
   lvm::ImageInfo image;
-  uint64_t size = spec.size;
+  uint64_t source_size = 0;  // the bytes the copy brings
+  // A snapshot or volume copied from is kept from deletion until its copy is made, and a
+  // volume's writes wait between requests meanwhile (docs/snapshots.md, "Crash consistency").
+  std::shared_ptr<void> held;
   if (!spec.from_image.empty()) {
     image = inspect(spec.from_image);
-    if (size == 0) size = image.virtual_size;
-    if (size < image.virtual_size) {
-      invalid("size " + std::to_string(size) + " is smaller than the image's " +
-              std::to_string(image.virtual_size) + " bytes");
+    source_size = image.virtual_size;
+  } else if (!spec.from_snapshot.empty()) {
+    const VolumeLock lock = volumes_.lock(spec.from_snapshot);
+    held = read_by_copy(spec.from_snapshot);
+    Database::Transaction tx(db_);
+    const std::optional<SnapshotRow> snap = tx.snapshot(spec.from_snapshot);
+    if (!snap) throw ApiError("not_found", "no snapshot " + spec.from_snapshot);
+    const std::optional<IntentRow> intent = tx.intent(snap->id);
+    if (std::optional<std::string> why = error_of(intent, snap->id)) {
+      throw ApiError("volume_error", "snapshot " + snap->id + " cannot be copied: " + *why);
     }
+    if (intent) {
+      throw ApiError("volume_busy",
+                     "snapshot " + snap->id + " is being " +
+                         (intent->action == IntentAction::Delete ? "deleted" : "created"));
+    }
+    source_size = snap->size;
+  } else if (!spec.from_volume.empty()) {
+    const VolumeLock lock = volumes_.lock(spec.from_volume);
+    held = read_by_copy(spec.from_volume);
+    std::vector<AttachmentRow> attachments;
+    {
+      Database::Transaction tx(db_);
+      const VolumeRow source = find_volume(tx, spec.from_volume);
+      refuse_unusable(tx, source);
+      source_size = source.size;
+      attachments = tx.attachments(source.id);
+    }
+    held = std::make_shared<std::pair<std::shared_ptr<void>, std::shared_ptr<void>>>(
+        std::move(held), quiesce(spec.from_volume, attachments));
   }
-  if (size == 0) invalid("size is required without from_image");
+  const uint64_t size = spec.size == 0 ? source_size : spec.size;
+  if (size < source_size) {
+    invalid("size " + std::to_string(size) + " is smaller than the source's " +
+            std::to_string(source_size) + " bytes");
+  }
+  if (size == 0) invalid("size is required without from_image, from_snapshot or from_volume");
   VolumeRow v{new_uuid(), spec.name, size, spec.multiattach, spec.bootable, now_iso()};
   v.writer_policy = spec.writer_policy;
   v.qos = qos_text(spec.qos);
+  const bool copies = source_size != 0;
+  Populate work;  // what the copy's job does
+  std::string what;
+  if (!spec.from_image.empty()) {
+    what = "image " + printable(spec.from_image);
+    work = [this, id = v.id, size, path = spec.from_image, image](const lvm::Progress& p) {
+      volumes_.fill(id, size, path, image, p);
+    };
+  } else if (copies) {
+    const bool snapshot = !spec.from_snapshot.empty();
+    const std::string from = snapshot ? spec.from_snapshot : spec.from_volume;
+    what = (snapshot ? "snapshot " : "volume ") + from;
+    work = [this, id = v.id, from, source_size, size,
+            held = std::move(held)](const lvm::Progress& p) mutable {
+      struct Release {  // writes go on as soon as the copy ends, before the database is written
+        std::shared_ptr<void>& held;
+        ~Release() { held.reset(); }
+      } release{held};
+      volumes_.copy(from, source_size, id, size, p);
+    };
+  }
   {
     Database::Transaction tx(db_);
     tx.put_intent({v.id, IntentAction::Create, "", v.created_at});
@@ -64,7 +124,8 @@ Json Service::volume_create(const VolumeSpec& spec) {
     }
   };
   try {
-    volumes_.create(v.id, v.size);
+    // A copy makes its backing itself (a reflink makes it whole at once).
+    if (!copies || !spec.from_image.empty()) volumes_.create(v.id, v.size);
   } catch (...) {
     roll_back();
     throw;
@@ -73,64 +134,69 @@ Json Service::volume_create(const VolumeSpec& spec) {
   try {
     Database::Transaction tx(db_);
     tx.insert_volume(v);
-    if (spec.from_image.empty()) tx.delete_intent(v.id);
+    if (!copies) tx.delete_intent(v.id);
     Json out = volume_json(tx, v);
     tx.commit();
     spdlog::info("control: created volume {} ({}, {} bytes{})", v.id, printable(v.name), v.size,
-                 spec.from_image.empty() ? "" : ", filling from " + printable(spec.from_image));
-    if (spec.from_image.empty()) return out;
+                 copies ? ", copying from " + what : "");
+    if (!copies) return out;
   } catch (...) {
     roll_back();
     throw;
   }
-  try {
-    jobs_.start(v.id, VolumeJobs::Kind::Fill,
-                [this, v, path = spec.from_image, image](const lvm::Progress& progress) {
-                  return fill(v, path, image, progress);
-                });
-  } catch (const std::exception& e) {  // no thread for it: the volume shows error, to delete
-    spdlog::error("control: cannot start filling volume {}: {}", v.id, e.what());
-    Database::Transaction tx(db_);
-    tx.put_intent(
-        {v.id, IntentAction::Create, std::string("cannot start: ") + e.what(), v.created_at});
-    tx.commit();
-  }
+  start_populate(v.id, v.created_at, what, std::move(work));
   Database::Transaction tx(db_);
   return volume_json(tx, v);
 }
 
-// A fill that fails keeps the intent with its error: the volume shows status error, to be
-// deleted. One that a stop interrupts is rolled back by the next start, like any create.
-std::optional<ApiError> Service::fill(const VolumeRow& v, const std::string& image,
-                                      const lvm::ImageInfo& info, const lvm::Progress& progress) {
+void Service::start_populate(const std::string& id, const std::string& created_at,
+                             const std::string& what, Populate work) {
+  try {
+    jobs_.start(id, VolumeJobs::Kind::Fill,
+                [this, id, created_at, what, work = std::move(work)](const lvm::Progress& p) {
+                  return populate(id, created_at, what, work, p);
+                });
+  } catch (const std::exception& e) {  // no thread for it: status error, to delete
+    spdlog::error("control: cannot start copying {} into {}: {}", what, id, e.what());
+    Database::Transaction tx(db_);
+    tx.put_intent({id, IntentAction::Create, std::string("cannot start: ") + e.what(), created_at});
+    tx.commit();
+  }
+}
+
+// A copy that fails keeps the intent with its error: the volume or snapshot shows status error,
+// to be deleted. One that a stop interrupts is rolled back by the next start, like any create.
+std::optional<ApiError> Service::populate(const std::string& id, const std::string& created_at,
+                                          const std::string& what, const Populate& work,
+                                          const lvm::Progress& progress) {
   const lvm::Progress paced = [&progress](uint64_t done, uint64_t total) {
     test_pause();
     return progress(done, total);
   };
   try {
-    volumes_.fill(v.id, v.size, image, info, paced);
+    work(paced);
     crash_point("volume_create:filled");
-    const VolumeLock lock = volumes_.lock(v.id);
+    const VolumeLock lock = volumes_.lock(id);
     Database::Transaction tx(db_);
-    tx.delete_intent(v.id);
+    tx.delete_intent(id);
     tx.commit();
-    spdlog::info("control: volume {} filled from {}", v.id, printable(image));
+    spdlog::info("control: {} holds its copy of {}", id, what);
     return std::nullopt;
   } catch (const std::exception& e) {
     if (jobs_.stopping()) {
       spdlog::warn(
-          "control: filling volume {} stopped with the daemon; the next start rolls it "
+          "control: copying {} into {} stopped with the daemon; the next start rolls it "
           "back",
-          v.id);
+          what, id);
       return ApiError("internal", "the daemon stopped");
     }
-    spdlog::error("control: cannot fill volume {} from {}: {}", v.id, printable(image), e.what());
+    spdlog::error("control: cannot copy {} into {}: {}", what, id, e.what());
     try {
       Database::Transaction tx(db_);
-      tx.put_intent({v.id, IntentAction::Create, e.what(), v.created_at});
+      tx.put_intent({id, IntentAction::Create, e.what(), created_at});
       tx.commit();
     } catch (const std::exception& db) {
-      spdlog::error("control: volume {}: cannot record why its fill failed: {}", v.id, db.what());
+      spdlog::error("control: {}: cannot record why its copy failed: {}", id, db.what());
     }
     const auto* api = dynamic_cast<const ApiError*>(&e);
     return api != nullptr ? *api : ApiError("internal", e.what());
@@ -178,7 +244,7 @@ Json Service::volume_delete(const std::string& id, bool wait) {
     const bool running = jobs_.state(id).has_value();
     if (intent && intent->action == IntentAction::Create && running) {
       throw ApiError("volume_busy", "volume " + id +
-                                        " is being filled from an image; delete it once that "
+                                        " is being filled; delete it once that "
                                         "ends (its status is no longer creating)");
     }
     for (const auto& a : tx.attachments(id)) {
@@ -186,6 +252,14 @@ Json Service::volume_delete(const std::string& id, bool wait) {
         throw ApiError("volume_in_use", "volume " + id + " has attachment " + a.id + " (" +
                                             std::string(to_string(a.attach_status)) + ")");
       }
+    }
+    if (const std::vector<SnapshotRow> snaps = tx.snapshots(id); !snaps.empty()) {
+      throw ApiError("volume_has_snapshots",
+                     "volume " + id + " has " + std::to_string(snaps.size()) +
+                         " snapshots (the first: " + snaps[0].id + "); delete them first");
+    }
+    if (is_copy_source(id)) {
+      throw ApiError("volume_busy", "volume " + id + " is being copied into a new volume");
     }
     if (!running) {  // a retry clears the error of the last attempt
       tx.put_intent({id, IntentAction::Delete, "", now_iso()});
@@ -249,13 +323,14 @@ std::optional<ApiError> Service::finish_delete(const std::string& id,
     const VolumeLock lock = volumes_.lock(id);
     Database::Transaction tx(db_);
     tx.delete_volume(id);
+    tx.delete_snapshot(id);  // the id is a volume's or a snapshot's
     tx.delete_intent(id);
     tx.commit();
   } catch (const std::exception& e) {  // the intent stays: the next start finishes it
-    spdlog::error("control: volume {}: backing removed, but the row stays: {}", id, e.what());
+    spdlog::error("control: {}: backing removed, but the row stays: {}", id, e.what());
     return ApiError("internal", e.what());
   }
-  spdlog::info("control: deleted volume {}", id);
+  spdlog::info("control: deleted {}", id);
   return std::nullopt;
 }
 
@@ -264,7 +339,7 @@ void Service::refuse_busy(Database::Transaction& tx, const VolumeRow& v, const c
   if (!intent || error_of(intent, v.id)) return;
   throw ApiError("volume_busy",
                  std::string("volume ") + v.id + " cannot " + what + " while it is being " +
-                     (intent->action == IntentAction::Delete ? "deleted" : "filled from an image"));
+                     (intent->action == IntentAction::Delete ? "deleted" : "filled"));
 }
 
 Json Service::volume_extend(const std::string& id, uint64_t size) {

@@ -133,8 +133,9 @@ TEST_F(StateDatabaseTest, A010DatabaseIsMigratedWithNothingLost) {
 
 // state-v1.db was written by the release before the volume_intent table (schema version 1):
 // three volumes, attachments attached, attaching, reserved and detached; state-v2.db is the
-// same state as the release before the writer columns left it (schema version 2), and
-// state-v3.db as the release before QoS left it (version 3). Each
+// same state as the release before the writer columns left it (schema version 2),
+// state-v3.db as the release before QoS left it (version 3), and state-v4.db as the release
+// before snapshots left it (version 4, main at 8a66600). Each
 // migrates with every field as that release listed it, the volumes get the writer policy
 // multi (what they had: every read-write attachment writes), and creates and deletes work.
 void StateDatabaseTest::expect_migrated_from(const char* fixture, int version) {
@@ -196,6 +197,7 @@ void StateDatabaseTest::expect_migrated_from(const char* fixture, int version) {
   EXPECT_EQ(sql(db_path(), "PRAGMA user_version"),
             std::to_string(shareblk::control::kSchemaVersion));
   EXPECT_EQ(sql(db_path(), "SELECT count(*) FROM volume_intent"), "0");
+  EXPECT_EQ(sql(db_path(), "SELECT count(*) FROM volume_snapshot"), "0");
 }
 
 TEST_F(StateDatabaseTest, AVersion1DatabaseIsMigratedWithNothingLost) {
@@ -208,6 +210,10 @@ TEST_F(StateDatabaseTest, AVersion2DatabaseIsMigratedWithNothingLost) {
 
 TEST_F(StateDatabaseTest, AVersion3DatabaseIsMigratedWithNothingLost) {
   expect_migrated_from("state-v3.db", 3);
+}
+
+TEST_F(StateDatabaseTest, AVersion4DatabaseIsMigratedWithNothingLost) {
+  expect_migrated_from("state-v4.db", 4);
 }
 
 TEST_F(StateDatabaseTest, TheStatusColumnAdmitsOnlyTheLifecycleStates) {

@@ -345,6 +345,42 @@ TEST_F(LvmStore, VolumeFilledFromAnImageHoldsItsBytesOnTheMappedExtents) {
   EXPECT_EQ(back.substr(data.size()), std::string(2 * kMiB, '\0'));
 }
 
+// On LVM a snapshot is a new LV and a copy onto its extents (no device-mapper snapshots here);
+// a volume made from it reads the bytes of the moment, and the source LV goes on alone.
+TEST_F(LvmStore, ASnapshotIsACopyIntoANewLogicalVolume) {
+  const std::string data = pattern(3 * kMiB, 23);
+  const std::string id = create("src", "8M")["id"];
+  {
+    NbdHandle rw(attach(id, "host", "rw"));
+    ASSERT_TRUE(rw.ok) << nbd_get_error();
+    ASSERT_EQ(nbd_pwrite(rw.h, data.data(), data.size(), kMiB, 0), 0) << nbd_get_error();
+    Json s = rpc_ok(socket(), "snapshot_create", {{"volume_id", id}, {"name", "s"}});
+    const std::string snap = s["id"];
+    for (int i = 0; i < 3000 && s["status"] == "creating"; ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+      s = rpc_ok(socket(), "snapshot_show", {{"snapshot_id", snap}});
+    }
+    ASSERT_EQ(s["status"], "available") << s;
+    EXPECT_TRUE(physical_bytes(snap, kMiB, data.size()) == data);
+    const std::string later(kMiB, 'L');
+    ASSERT_EQ(nbd_pwrite(rw.h, later.data(), later.size(), kMiB, 0), 0) << nbd_get_error();
+    Json v = rpc_ok(socket(), "volume_create", {{"name", "copy"}, {"from_snapshot", snap}});
+    const std::string copy = v["id"];
+    for (int i = 0; i < 3000 && v["status"] == "creating"; ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+      v = rpc_ok(socket(), "volume_show", {{"volume_id", copy}});
+    }
+    ASSERT_EQ(v["status"], "available") << v;
+    NbdHandle back(attach(copy, "other", "ro"));
+    ASSERT_TRUE(back.ok) << nbd_get_error();
+    std::string bytes(data.size(), 'x');
+    ASSERT_EQ(nbd_pread(back.h, bytes.data(), bytes.size(), kMiB, 0), 0);
+    EXPECT_TRUE(bytes == data) << "the copy must hold the snapshot's bytes, not the later ones";
+  }
+  const RunResult lvs = vg_->lvm({"lvs", "--noheadings", "-o", "lv_name", vg_name_});
+  EXPECT_NE(lvs.output.find("volume-" + id), std::string::npos) << lvs.output;
+}
+
 // kill -9 in the middle of the zeroing (after the first piece): the LV is half zeroed and
 // still there; the next start finishes the delete by itself.
 TEST_F(LvmStore, DeleteKilledMidZeroingIsFinishedByTheNextStart) {

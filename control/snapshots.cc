@@ -1,0 +1,190 @@
+// Snapshots (docs/snapshots.md): point-in-time copies of a volume, made by the store (a reflink)
+// or copied in the background, while the volume's writes wait between requests.
+#include <spdlog/spdlog.h>
+
+#include "control/service.h"
+
+namespace shareblk::control {
+
+namespace {
+
+// Undoes what it was made for when the last holder lets go. Made in place only: a copy would
+// undo it twice.
+class OnRelease {
+ public:
+  explicit OnRelease(std::function<void()> release) : release_(std::move(release)) {}
+  ~OnRelease() { release_(); }
+  OnRelease(const OnRelease&) = delete;
+  OnRelease& operator=(const OnRelease&) = delete;
+
+ private:
+  std::function<void()> release_;
+};
+
+}  // namespace
+
+std::shared_ptr<void> Service::quiesce(const std::string& volume_id,
+                                       const std::vector<AttachmentRow>& attachments) {
+  std::vector<std::shared_ptr<backend::WriteAccess>> held;
+  for (const AttachmentRow& a : attachments) {
+    if (!is_live(a.attach_status)) continue;
+    if (std::shared_ptr<backend::WriteAccess> access = exports_.write_access(a.id)) {
+      held.push_back(std::move(access));
+    }
+  }
+  {
+    std::lock_guard lock(copies_mutex_);
+    if (!quiesced_.emplace(volume_id, held).second) {
+      throw ApiError("volume_busy",
+                     "volume " + volume_id + " is being copied already; try again once that ends");
+    }
+  }
+  // Each waits for the attachment's changes in flight; new ones wait in the engines.
+  for (const auto& access : held) access->pause();
+  return std::make_shared<OnRelease>([this, volume_id] {
+    std::vector<std::shared_ptr<backend::WriteAccess>> resumed;
+    {
+      std::lock_guard lock(copies_mutex_);
+      auto it = quiesced_.find(volume_id);
+      resumed = std::move(it->second);
+      quiesced_.erase(it);
+    }
+    for (const auto& access : resumed) access->resume();
+  });
+}
+
+void Service::hold_if_quiesced(const std::string& volume_id, const std::string& attachment_id) {
+  std::shared_ptr<backend::WriteAccess> access = exports_.write_access(attachment_id);
+  if (!access) return;
+  std::lock_guard lock(copies_mutex_);
+  auto it = quiesced_.find(volume_id);
+  if (it == quiesced_.end()) return;
+  access->pause();  // a new attachment: nothing in flight to wait for
+  it->second.push_back(std::move(access));
+}
+
+std::shared_ptr<void> Service::read_by_copy(const std::string& id) {
+  std::lock_guard lock(copies_mutex_);
+  copy_sources_.insert(id);
+  return std::make_shared<OnRelease>([this, id] {
+    std::lock_guard inner(copies_mutex_);
+    copy_sources_.erase(copy_sources_.find(id));
+  });
+}
+
+bool Service::is_copy_source(const std::string& id) {
+  std::lock_guard lock(copies_mutex_);
+  return copy_sources_.count(id) != 0;
+}
+
+// The intent and the row go in one transaction before the store is touched; the copy holds the
+// intent until it is whole (status "creating"), so a crash at any point leaves a snapshot that
+// the next start rolls back, never one that looks whole and is not.
+Json Service::snapshot_create(const std::string& volume_id, const std::string& name) {
+  SnapshotRow s{new_uuid(), volume_id, name, 0, now_iso()};
+  std::shared_ptr<void> held;
+  {
+    const VolumeLock lock = volumes_.lock(volume_id);
+    std::vector<AttachmentRow> attachments;
+    {
+      Database::Transaction tx(db_);
+      const VolumeRow v = find_volume(tx, volume_id);
+      refuse_unusable(tx, v);
+      s.size = v.size;
+      attachments = tx.attachments(v.id);
+    }
+    // Outside the transaction: the pause waits for the writes in flight, and other volumes'
+    // calls need the database meanwhile.
+    held = std::make_shared<std::pair<std::shared_ptr<void>, std::shared_ptr<void>>>(
+        read_by_copy(volume_id), quiesce(volume_id, attachments));
+    Database::Transaction tx(db_);
+    tx.put_intent({s.id, IntentAction::Create, "", s.created_at});
+    tx.insert_snapshot(s);
+    tx.commit();
+  }
+  crash_point("snapshot_create:recorded");
+  spdlog::info("control: snapshot {} ({}) of volume {}: copying {} bytes", s.id, printable(s.name),
+               volume_id, s.size);
+  start_populate(s.id, s.created_at, "volume " + volume_id,
+                 [this, s, held = std::move(held)](const lvm::Progress& p) mutable {
+                   struct Release {
+                     std::shared_ptr<void>& held;
+                     ~Release() { held.reset(); }
+                   } release{held};
+                   volumes_.copy(s.volume_id, s.size, s.id, s.size, p);
+                 });
+  Database::Transaction tx(db_);
+  return snapshot_json(s, tx.intent(s.id));
+}
+
+Json Service::snapshot_list(const std::string& volume_id) {
+  std::vector<SnapshotRow> rows;
+  std::map<std::string, IntentRow> intents;
+  {
+    Database::Transaction tx(db_);
+    if (!volume_id.empty()) find_volume(tx, volume_id);
+    rows = tx.snapshots(volume_id);
+    for (IntentRow& i : tx.intents()) intents.emplace(i.volume_id, std::move(i));
+  }
+  Json out = Json::array();
+  for (const SnapshotRow& s : rows) {
+    auto i = intents.find(s.id);
+    out.push_back(snapshot_json(s, i == intents.end() ? std::nullopt : std::optional(i->second)));
+  }
+  return out;
+}
+
+Json Service::snapshot_show(const std::string& id) {
+  Database::Transaction tx(db_);
+  const std::optional<SnapshotRow> s = tx.snapshot(id);
+  if (!s) throw ApiError("not_found", "no snapshot " + id);
+  return snapshot_json(*s, tx.intent(id));
+}
+
+// As volume_delete: the intent first, then the store's part on a job, then the row.
+Json Service::snapshot_delete(const std::string& id, bool wait) {
+  {
+    const VolumeLock lock = volumes_.lock(id);
+    Database::Transaction tx(db_);
+    if (!tx.snapshot(id)) throw ApiError("not_found", "no snapshot " + id);
+    const std::optional<IntentRow> intent = tx.intent(id);
+    const bool running = jobs_.state(id).has_value();
+    if (intent && intent->action == IntentAction::Create && running) {
+      throw ApiError("volume_busy", "snapshot " + id + " is being created; delete it once its " +
+                                        "status is no longer creating");
+    }
+    if (is_copy_source(id)) {
+      throw ApiError("volume_busy", "snapshot " + id + " is being copied into a new volume");
+    }
+    if (!running) {
+      tx.put_intent({id, IntentAction::Delete, "", now_iso()});
+      tx.commit();
+    }
+  }
+  start_delete(id);
+  if (!wait) return Json{{"id", id}, {"status", "deleting"}};
+  if (std::optional<ApiError> failure = jobs_.wait(id)) throw *failure;
+  Database::Transaction tx(db_);
+  if (tx.snapshot(id)) {
+    throw ApiError("internal", "snapshot " + id + " is not deleted: " +
+                                   error_of(tx.intent(id), id).value_or("(no reason)"));
+  }
+  return Json{{"id", id}, {"deleted", true}};
+}
+
+Json Service::snapshot_json(const SnapshotRow& s, const std::optional<IntentRow>& intent) {
+  const std::optional<std::string> error = error_of(intent, s.id);
+  std::string status = error ? "error" : "available";
+  Json progress = nullptr;
+  if (!error && intent) {
+    status = intent->action == IntentAction::Delete ? "deleting" : "creating";
+    const std::optional<VolumeJobs::State> job = jobs_.state(s.id);
+    progress = job ? job->percent : 0;
+  }
+  return Json{{"id", s.id},           {"volume_id", s.volume_id},
+              {"name", s.name},       {"size", s.size},
+              {"status", status},     {"status_reason", error ? Json(*error) : Json(nullptr)},
+              {"progress", progress}, {"created_at", s.created_at}};
+}
+
+}  // namespace shareblk::control

@@ -1,0 +1,355 @@
+// Snapshots and clones end to end (docs/snapshots.md): what a snapshot holds, the volumes made
+// from snapshots and volumes, the refusals that keep them whole, crash consistency under a
+// writer, a crash half way, and reflinks on XFS.
+#include <gtest/gtest.h>
+#include <libnbd.h>
+#include <signal.h>
+#include <sys/mount.h>
+#include <sys/stat.h>
+#include <sys/statvfs.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstring>
+#include <filesystem>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "tests/managed_daemon.h"
+
+namespace shareblk::testing {
+namespace {
+
+namespace fs = std::filesystem;
+constexpr uint64_t kMiB = 1 << 20;
+constexpr uint64_t kBlock = 4096;
+
+// Whether every byte of `s` is `c` (a mismatch's bytes would flood the log).
+bool all(const std::string& s, char c) {
+  return s.find_first_not_of(c) == std::string::npos;
+}
+
+struct Nbd {
+  explicit Nbd(const std::string& uri) : h(nbd_create()) {
+    ok = h != nullptr && nbd_connect_uri(h, uri.c_str()) == 0;
+  }
+  ~Nbd() {
+    if (h) nbd_close(h);
+  }
+  Nbd(const Nbd&) = delete;
+  Nbd& operator=(const Nbd&) = delete;
+  // In pieces of 4 MiB: a request may carry 32 MiB at most.
+  std::string read(uint64_t length, uint64_t offset) {
+    std::string out(length, '\0');
+    for (uint64_t done = 0; done < length; done += kPiece) {
+      const uint64_t n = std::min(kPiece, length - done);
+      EXPECT_EQ(nbd_pread(h, out.data() + done, n, offset + done, 0), 0) << nbd_get_error();
+    }
+    return out;
+  }
+  void write(const std::string& data, uint64_t offset) {
+    for (uint64_t done = 0; done < data.size(); done += kPiece) {
+      const uint64_t n = std::min<uint64_t>(kPiece, data.size() - done);
+      ASSERT_EQ(nbd_pwrite(h, data.data() + done, n, offset + done, 0), 0) << nbd_get_error();
+    }
+  }
+  static constexpr uint64_t kPiece = 4 << 20;
+  nbd_handle* h;
+  bool ok = false;
+};
+
+class SnapshotTest : public ManagedDaemonTest {
+ protected:
+  std::string uri(const std::string& volume, const std::string& instance) {
+    return attach(volume, instance,
+                  {{"host", instance}, {"transport", "unix"}})["connection_info"]["data"]["uri"];
+  }
+  // `method` (volume_show or snapshot_show) until the status is no longer "creating" (30 s).
+  Json settle(const std::string& method, const std::string& key, const std::string& id) {
+    Json v = rpc_ok(control(), method, {{key, id}});
+    for (int i = 0; i < 3000 && v["status"] == "creating"; ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+      v = rpc_ok(control(), method, {{key, id}});
+    }
+    return v;
+  }
+  Json snapshot(const std::string& volume, const std::string& name = "s") {
+    return rpc_ok(control(), "snapshot_create", {{"volume_id", volume}, {"name", name}});
+  }
+  uint64_t allocated(const std::string& id) {
+    struct stat st {};
+    EXPECT_EQ(::stat((dir_.path() / "volumes" / (id + ".img")).c_str(), &st), 0);
+    return static_cast<uint64_t>(st.st_blocks) * 512;
+  }
+};
+
+TEST_F(SnapshotTest, ASnapshotKeepsTheVolumeAsItWasAndNewVolumesCopyIt) {
+  start();
+  const std::string vol = create_volume("64M");
+  Nbd client(uri(vol, "a"));
+  ASSERT_TRUE(client.ok) << nbd_get_error();
+  client.write(std::string(64 * 1024, 'A'), 8 * kMiB);
+
+  const Json taken = snapshot(vol, "before");
+  EXPECT_EQ(taken["volume_id"], vol);
+  EXPECT_EQ(taken["size"], 64 * kMiB);
+  const std::string snap = taken["id"];
+  EXPECT_EQ(settle("snapshot_show", "snapshot_id", snap)["status"], "available");
+  client.write(std::string(64 * 1024, 'B'), 8 * kMiB);
+
+  // From the snapshot: the bytes as they were, at the snapshot's size; sparse as the source.
+  const Json from_snap =
+      rpc_ok(control(), "volume_create", {{"name", "restored"}, {"from_snapshot", snap}});
+  EXPECT_EQ(from_snap["size"], 64 * kMiB);
+  const std::string restored = from_snap["id"];
+  EXPECT_EQ(settle("volume_show", "volume_id", restored)["status"], "available");
+  EXPECT_LE(allocated(restored), 1 * kMiB) << "a copy of 64 KiB of data must stay sparse";
+  {
+    Nbd r(uri(restored, "b"));
+    ASSERT_TRUE(r.ok) << nbd_get_error();
+    EXPECT_TRUE(all(r.read(64 * 1024, 8 * kMiB), 'A'));
+    EXPECT_TRUE(all(r.read(4096, 0), '\0'));
+  }
+  // From the volume, larger: its bytes now, zeroes past them.
+  const std::string cloned = rpc_ok(
+      control(), "volume_create", {{"name", "clone"}, {"from_volume", vol}, {"size", "96M"}})["id"];
+  const Json clone = settle("volume_show", "volume_id", cloned);
+  EXPECT_EQ(clone["status"], "available") << clone;
+  EXPECT_EQ(clone["size"], 96 * kMiB);
+  {
+    Nbd c(uri(cloned, "c"));
+    ASSERT_TRUE(c.ok) << nbd_get_error();
+    EXPECT_TRUE(all(c.read(64 * 1024, 8 * kMiB), 'B'));
+    EXPECT_TRUE(all(c.read(4096, 80 * kMiB), '\0'));
+  }
+
+  const Json listed = rpc_ok(control(), "snapshot_list", {{"volume_id", vol}});
+  ASSERT_EQ(listed.size(), 1u) << listed;
+  EXPECT_EQ(listed[0]["name"], "before");
+  EXPECT_EQ(rpc_ok(control(), "snapshot_list", {{"volume_id", cloned}}).size(), 0u);
+  EXPECT_EQ(rpc_reason(control(), "snapshot_list", {{"volume_id", "nope"}}), "not_found");
+  EXPECT_EQ(rpc_reason(control(), "snapshot_show", {{"snapshot_id", "nope"}}), "not_found");
+  EXPECT_EQ(rpc_reason(control(), "volume_create", {{"name", "x"}, {"from_snapshot", "nope"}}),
+            "not_found");
+  EXPECT_EQ(rpc_reason(control(), "volume_create",
+                       {{"name", "x"}, {"from_snapshot", snap}, {"size", "1M"}}),
+            "invalid_params");
+  EXPECT_EQ(rpc_reason(control(), "volume_create",
+                       {{"name", "x"}, {"from_snapshot", snap}, {"from_volume", vol}}),
+            "invalid_params");
+
+  // The volume keeps its snapshots: it cannot be deleted before them.
+  rpc_ok(control(), "volume_detach", {{"volume_id", vol}});
+  EXPECT_EQ(rpc_reason(control(), "volume_delete", {{"volume_id", vol}}), "volume_has_snapshots");
+  EXPECT_EQ(rpc_ok(control(), "snapshot_delete", {{"snapshot_id", snap}, {"wait", true}}),
+            (Json{{"id", snap}, {"deleted", true}}));
+  EXPECT_FALSE(fs::exists(dir_.path() / "volumes" / (snap + ".img")));
+  EXPECT_EQ(rpc_reason(control(), "snapshot_show", {{"snapshot_id", snap}}), "not_found");
+  rpc_ok(control(), "volume_delete", {{"volume_id", vol}, {"wait", true}});
+
+  // The restored volume outlives both.
+  start();
+  EXPECT_EQ(rpc_ok(control(), "volume_show", {{"volume_id", restored}})["status"], "attaching");
+}
+
+// A client writes sequence numbers into consecutive blocks, one at a time, each acknowledged
+// before the next: the volume at any instant is a prefix 1..k. The copy is slowed down (the
+// test hook pauses at each MiB) so that, were the writes not held, the writer would run far
+// past the copy's position. The snapshot must be exactly such a prefix, the writer must never
+// see an error, and it goes on once the snapshot is done.
+TEST_F(SnapshotTest, ASnapshotTakenUnderWritesIsAPointInTime) {
+  ::setenv("SHAREBLK_TEST_JOB_PAUSE_MS", "10", 1);
+  start();
+  ::unsetenv("SHAREBLK_TEST_JOB_PAUSE_MS");
+  const uint64_t blocks = 64 * kMiB / kBlock;
+  const std::string vol = create_volume("64M");
+  const std::string writer_uri = uri(vol, "writer");
+  {
+    // Every block allocated, and not zero (a copy skips holes and zeroes at once), with 0 for
+    // its sequence number.
+    Nbd fill(writer_uri);
+    ASSERT_TRUE(fill.ok) << nbd_get_error();
+    std::string blocks_of_x(4 * kMiB, 'x');
+    for (uint64_t b = 0; b < 4 * kMiB / kBlock; ++b) std::memset(&blocks_of_x[b * kBlock], 0, 8);
+    for (uint64_t at = 0; at < 64 * kMiB; at += blocks_of_x.size()) fill.write(blocks_of_x, at);
+  }
+  std::atomic<uint64_t> written{0};
+  std::atomic<bool> stop{false};
+  std::atomic<int> failures{0};
+  std::thread writer([&] {
+    Nbd w(writer_uri);
+    if (!w.ok) {
+      failures++;
+      return;
+    }
+    std::string block(kBlock, 'x');
+    for (uint64_t i = 0; i < blocks && !stop; ++i) {
+      const uint64_t value = i + 1;
+      std::memcpy(block.data(), &value, sizeof value);
+      if (nbd_pwrite(w.h, block.data(), kBlock, i * kBlock, 0) != 0) {
+        failures++;
+        return;
+      }
+      written = value;
+    }
+  });
+  while (written < 200 && failures == 0) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  const std::string snap = snapshot(vol)["id"];
+  const uint64_t at_snapshot = written;
+  // The last count seen while the snapshot was still being copied (64 pauses of 10 ms).
+  uint64_t during_copy = written;
+  Json done = rpc_ok(control(), "snapshot_show", {{"snapshot_id", snap}});
+  for (int i = 0; i < 3000 && done["status"] == "creating"; ++i) {
+    during_copy = written;
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    done = rpc_ok(control(), "snapshot_show", {{"snapshot_id", snap}});
+  }
+  EXPECT_EQ(done["status"], "available") << done;
+  // Held while the copy ran: at most the write in flight when the snapshot began went on.
+  EXPECT_LE(during_copy, at_snapshot + 1);
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  EXPECT_GT(written.load(), during_copy) << "the writer must go on after the snapshot";
+  stop = true;
+  writer.join();
+  EXPECT_EQ(failures, 0) << "a held write must wait, never fail";
+
+  const std::string copy =
+      rpc_ok(control(), "volume_create", {{"name", "c"}, {"from_snapshot", snap}})["id"];
+  ASSERT_EQ(settle("volume_show", "volume_id", copy)["status"], "available");
+  Nbd r(uri(copy, "reader"));
+  ASSERT_TRUE(r.ok) << nbd_get_error();
+  const std::string bytes = r.read(64 * kMiB, 0);
+  uint64_t prefix = 0;
+  while (prefix < blocks) {
+    uint64_t value = 0;
+    std::memcpy(&value, bytes.data() + prefix * kBlock, sizeof value);
+    if (value != prefix + 1) break;
+    ++prefix;
+  }
+  EXPECT_GE(prefix, at_snapshot - 1);
+  EXPECT_LE(prefix, during_copy + 1);
+  for (uint64_t i = prefix; i < blocks; ++i) {
+    uint64_t value = 0;
+    std::memcpy(&value, bytes.data() + i * kBlock, sizeof value);
+    if (value != 0) {
+      ADD_FAILURE() << "block " << i << " was written after block " << prefix
+                    << ", which the snapshot lacks: not a point in time";
+      break;
+    }
+  }
+}
+
+TEST_F(SnapshotTest, ASnapshotBeingCopiedCannotBeUsedOrDeletedAndACrashRollsItBack) {
+  ::setenv("SHAREBLK_TEST_JOB_PAUSE_MS", "200", 1);
+  start();
+  ::unsetenv("SHAREBLK_TEST_JOB_PAUSE_MS");
+  const std::string vol = create_volume("8M");
+  {
+    Nbd w(uri(vol, "a"));
+    ASSERT_TRUE(w.ok) << nbd_get_error();
+    w.write(std::string(kMiB, 'z'), 0);
+  }
+  const Json taken = snapshot(vol);
+  EXPECT_EQ(taken["status"], "creating");
+  const std::string snap = taken["id"];
+  EXPECT_EQ(rpc_reason(control(), "snapshot_delete", {{"snapshot_id", snap}}), "volume_busy");
+  EXPECT_EQ(rpc_reason(control(), "volume_create", {{"name", "x"}, {"from_snapshot", snap}}),
+            "volume_busy");
+  EXPECT_EQ(rpc_reason(control(), "snapshot_create", {{"volume_id", vol}, {"name", "t"}}),
+            "volume_busy");
+  // Killed half way: the next start rolls the snapshot back, its backing too.
+  const Json before = rpc_ok(control(), "volume_show", {{"volume_id", vol}});
+  daemon_->stop(SIGKILL);
+  start();
+  EXPECT_EQ(rpc_reason(control(), "snapshot_show", {{"snapshot_id", snap}}), "not_found");
+  EXPECT_FALSE(fs::exists(dir_.path() / "volumes" / (snap + ".img")));
+  EXPECT_EQ(rpc_ok(control(), "snapshot_list").size(), 0u);
+  EXPECT_EQ(rpc_ok(control(), "volume_show", {{"volume_id", vol}})["status"], before["status"]);
+}
+
+// On a file system with reflinks a snapshot shares the volume's blocks: it takes no space and
+// no time, and writes to either side after it stay apart.
+TEST_F(SnapshotTest, OnXfsASnapshotIsAReflinkThatTakesNoSpace) {
+  SHAREBLK_REQUIRE(is_root(), "mounting XFS on a loop device needs root");
+  SHAREBLK_REQUIRE(have_program("mkfs.xfs"), "mkfs.xfs is not installed (xfsprogs)");
+  TempDir mnt;
+  const std::string image = mnt / "xfs.img";
+  const std::string state = mnt / "state";
+  RunResult made = run({"truncate", "-s", "512M", image});
+  ASSERT_EQ(made.status, 0) << made.output;
+  made = run({"mkfs.xfs", "-q", "-m", "reflink=1", image});
+  ASSERT_EQ(made.status, 0) << made.output;
+  fs::create_directory(state);
+  RunResult mounted = run({"mount", "-o", "loop", image, state});
+  SHAREBLK_REQUIRE(mounted.status == 0, "cannot mount XFS on a loop device: " + mounted.output);
+  struct Unmount {
+    std::string path;
+    ~Unmount() { run({"umount", "-l", path}); }
+  } unmount{state};
+  std::unique_ptr<Daemon> daemon =
+      std::make_unique<Daemon>(std::vector<std::string>{"--state-dir", state, "--listen-unix",
+                                                        socket_dir_ / "xfs.sock", "--workers", "1"},
+                               state + "/shareblk.sock");
+  const std::string control = state + "/shareblk.sock";
+  const std::string vol = rpc_ok(control, "volume_create", {{"name", "v"}, {"size", "128M"}})["id"];
+  const std::string link = rpc_ok(
+      control, "attachment_create",
+      {{"volume_id", vol},
+       {"instance_uuid", "a"},
+       {"connector", {{"host", "a"}, {"transport", "unix"}}}})["connection_info"]["data"]["uri"];
+  Nbd w(link);
+  ASSERT_TRUE(w.ok) << nbd_get_error();
+  w.write(std::string(64 * kMiB, 'R'), 0);
+  ASSERT_EQ(nbd_flush(w.h, 0), 0);
+  struct statvfs before {};
+  ASSERT_EQ(::statvfs(state.c_str(), &before), 0);
+  const auto t0 = std::chrono::steady_clock::now();
+  const std::string snap =
+      rpc_ok(control, "snapshot_create", {{"volume_id", vol}, {"name", "s"}})["id"];
+  Json s = rpc_ok(control, "snapshot_show", {{"snapshot_id", snap}});
+  for (int i = 0; i < 500 && s["status"] == "creating"; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    s = rpc_ok(control, "snapshot_show", {{"snapshot_id", snap}});
+  }
+  const auto took = std::chrono::steady_clock::now() - t0;
+  ASSERT_EQ(s["status"], "available") << s;
+  struct statvfs after {};
+  ASSERT_EQ(::statvfs(state.c_str(), &after), 0);
+  const uint64_t used = (before.f_bavail - after.f_bavail) * before.f_frsize;
+  EXPECT_LT(used, 8 * kMiB) << "a reflink of 64 MiB of data must not copy it";
+  EXPECT_LT(took, std::chrono::seconds(2));
+  daemon->stop(SIGTERM);
+  EXPECT_NE(daemon->log().find(snap), std::string::npos);
+
+  // Writes after the snapshot change the volume only.
+  daemon =
+      std::make_unique<Daemon>(std::vector<std::string>{"--state-dir", state, "--listen-unix",
+                                                        socket_dir_ / "xfs.sock", "--workers", "1"},
+                               control);
+  {
+    Nbd again(link);
+    ASSERT_TRUE(again.ok) << nbd_get_error();
+    again.write(std::string(kMiB, 'W'), 0);
+  }
+  const std::string copy =
+      rpc_ok(control, "volume_create", {{"name", "c"}, {"from_snapshot", snap}})["id"];
+  Json c = rpc_ok(control, "volume_show", {{"volume_id", copy}});
+  for (int i = 0; i < 500 && c["status"] == "creating"; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    c = rpc_ok(control, "volume_show", {{"volume_id", copy}});
+  }
+  ASSERT_EQ(c["status"], "available") << c;
+  const std::string read_uri = rpc_ok(
+      control, "attachment_create",
+      {{"volume_id", copy},
+       {"instance_uuid", "b"},
+       {"connector", {{"host", "b"}, {"transport", "unix"}}}})["connection_info"]["data"]["uri"];
+  Nbd r(read_uri);
+  ASSERT_TRUE(r.ok) << nbd_get_error();
+  EXPECT_TRUE(all(r.read(4096, 0), 'R'));
+  daemon->stop(SIGTERM);
+}
+
+}  // namespace
+}  // namespace shareblk::testing
