@@ -190,14 +190,16 @@ class WriteAccess {
   // For the engines, once per change: enter() says whether it may start, and counts it if so;
   // leave() once it is done. Sequentially consistent on both sides, so that a change either
   // sees the gate closed or is seen by revoke() as in flight.
-  // A false enter() of a gate that is paused() is to be tried again after the pause.
-  bool enter() {
+  // Refused (revoked) wins over Paused; both are decided from the one look at the gate, so a
+  // change refused by a revoke stays refused whatever the gate does next.
+  enum class Entry : uint8_t { Entered, Refused, Paused };
+  Entry enter() {
     in_flight_.fetch_add(1, std::memory_order_seq_cst);
-    if (granted_.load(std::memory_order_seq_cst) && pauses_.load(std::memory_order_seq_cst) == 0) {
-      return true;
-    }
+    const bool granted = granted_.load(std::memory_order_seq_cst);
+    const bool paused = pauses_.load(std::memory_order_seq_cst) != 0;
+    if (granted && !paused) return Entry::Entered;
     leave();
-    return false;
+    return granted ? Entry::Paused : Entry::Refused;
   }
   void leave() {
     if (in_flight_.fetch_sub(1, std::memory_order_seq_cst) == 1) in_flight_.notify_all();
@@ -288,9 +290,11 @@ class Handle {
   const std::shared_ptr<WriteAccess>& write_access() const { return access_; }
 
   // For the engines, around every request admit() let through: enter() counts a change in
-  // the attachment's WriteAccess (false: it was revoked since admit(), so EPERM), leave()
-  // once its last step completed.
-  bool enter(Op op) const { return !access_ || !is_change(op) || access_->enter(); }
+  // the attachment's WriteAccess (Refused: it was revoked since admit(), so EPERM; Paused: run
+  // it again later), leave() once its last step completed.
+  WriteAccess::Entry enter(Op op) const {
+    return !access_ || !is_change(op) ? WriteAccess::Entry::Entered : access_->enter();
+  }
   void leave(Op op) const {
     if (access_ && is_change(op)) access_->leave();
   }

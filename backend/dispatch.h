@@ -70,9 +70,13 @@ inline int begin(const Handle& handle, const Work& work, DispatchCursor& cursor)
   if (int err = handle.admit(work.op, work.offset, work.length, work.flags)) return err;
   // Nothing to move; and fallocate and fadvise would read a length of 0 as "to EOF".
   if (work.length == 0 && work.op != Op::Flush) return 0;
-  if (!handle.enter(work.op)) {  // write access revoked or paused since admit()
-    // Still granted: it was a pause (or one that just ended; running it again is harmless).
-    return handle.write_access()->granted() ? kPaused : EPERM;
+  switch (handle.enter(work.op)) {
+    case WriteAccess::Entry::Entered:
+      break;
+    case WriteAccess::Entry::Refused:  // write access revoked since admit()
+      return EPERM;
+    case WriteAccess::Entry::Paused:
+      return kPaused;
   }
   cursor = DispatchCursor{};
   return kMoreSteps;

@@ -288,7 +288,7 @@ TEST_F(BackendTest, WithoutWriteAccessEveryChangeIsRefused) {
 TEST_F(BackendTest, APausedGateHoldsChangesUntilItResumes) {
   auto access = std::make_shared<backend::WriteAccess>(true);
   const Handle writer(volume_, AttachMode::ReadWrite, access);
-  ASSERT_TRUE(access->enter());  // a change in flight
+  ASSERT_EQ(access->enter(), backend::WriteAccess::Entry::Entered);  // a change in flight
   std::atomic<bool> paused{false};
   std::thread pauser([&] {
     access->pause();
@@ -299,7 +299,7 @@ TEST_F(BackendTest, APausedGateHoldsChangesUntilItResumes) {
   access->leave();
   pauser.join();
   EXPECT_TRUE(access->paused());
-  EXPECT_FALSE(access->enter());
+  EXPECT_EQ(access->enter(), backend::WriteAccess::Entry::Paused);
   EXPECT_EQ(writer.admit(Op::Write, 0, 4096), 0) << "a pause is not a refusal";
 
   std::atomic<int> result{-1};
@@ -321,6 +321,7 @@ TEST_F(BackendTest, APausedGateHoldsChangesUntilItResumes) {
   access->resume();
   EXPECT_TRUE(access->paused());
   access->revoke();
+  EXPECT_EQ(access->enter(), backend::WriteAccess::Entry::Refused) << "a revoke wins";
   AlignedBuffer buf(4096);
   EXPECT_EQ(writer.write(buf.data(), 4096, 0, 0), EPERM) << "revoked while paused: refused";
   access->resume();
@@ -331,8 +332,8 @@ TEST_F(BackendTest, APausedGateHoldsChangesUntilItResumes) {
 // revoke() returns only once the changes that entered have left; none enters after it.
 TEST(WriteAccess, RevokeWaitsForTheChangesInFlight) {
   backend::WriteAccess access(true);
-  ASSERT_TRUE(access.enter());
-  ASSERT_TRUE(access.enter());
+  ASSERT_EQ(access.enter(), backend::WriteAccess::Entry::Entered);
+  ASSERT_EQ(access.enter(), backend::WriteAccess::Entry::Entered);
   std::atomic<bool> revoked{false};
   std::thread fence([&] {
     access.revoke();
@@ -340,7 +341,8 @@ TEST(WriteAccess, RevokeWaitsForTheChangesInFlight) {
   });
   std::this_thread::sleep_for(std::chrono::milliseconds(50));
   EXPECT_FALSE(revoked.load()) << "revoke() returned with two changes in flight";
-  EXPECT_FALSE(access.enter()) << "a change entered a gate being revoked";
+  EXPECT_EQ(access.enter(), backend::WriteAccess::Entry::Refused)
+      << "a change entered a gate being revoked";
   access.leave();
   std::this_thread::sleep_for(std::chrono::milliseconds(20));
   EXPECT_FALSE(revoked.load());
@@ -360,7 +362,7 @@ TEST(WriteAccess, TwoGatesAreNeverOpenTogether) {
   std::atomic<uint64_t> overlaps{0}, admitted{0};
   auto hammer = [&](backend::WriteAccess& gate, int me) {
     while (!stop.load(std::memory_order_relaxed)) {
-      if (!gate.enter()) continue;
+      if (gate.enter() != backend::WriteAccess::Entry::Entered) continue;
       active[me].fetch_add(1);
       if (active[1 - me].load() != 0) overlaps.fetch_add(1);
       admitted.fetch_add(1, std::memory_order_relaxed);
