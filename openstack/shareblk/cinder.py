@@ -14,6 +14,7 @@ The driver talks to shareblkd's control socket, so cinder-volume runs on the hos
 shareblkd (as with the LVM driver and its target).
 """
 
+import time
 import urllib.parse
 
 from oslo_config import cfg
@@ -45,6 +46,10 @@ shareblk_opts = [
                     "--tls on --tls-x509-dir and libvirt's nbd_tls on the compute hosts."),
     cfg.FloatOpt("shareblk_timeout", default=60.0,
                  help="Seconds to wait for one control call."),
+    cfg.FloatOpt("shareblk_copy_timeout", default=3600.0,
+                 help="Seconds to wait for a snapshot or a volume made from a snapshot or "
+                      "volume to be whole (a reflink takes a moment; a copy, the data's "
+                      "time)."),
 ]
 
 CONF = cfg.CONF
@@ -97,7 +102,7 @@ class ShareblkDriver(driver.VolumeDriver):
         except ControlError as e:
             if e.reason in ok_reasons:
                 return None
-            if e.reason == "volume_in_use":
+            if e.reason in ("volume_in_use", "volume_has_snapshots"):
                 raise exception.VolumeIsBusy(volume_name=(params or {}).get("volume_id"))
             raise exception.VolumeBackendAPIException(data=str(e))
         except OSError as e:  # no socket, refused, timed out
@@ -116,10 +121,32 @@ class ShareblkDriver(driver.VolumeDriver):
                 return v["id"]
         return None
 
-    def create_volume(self, volume):
+    def create_volume(self, volume, **source):
+        """``source``: from_snapshot or from_volume, a shareblk id; the call then waits until
+        the copy is whole."""
         v = self._call("volume_create", {"name": volume.name, "size": _size(volume.size),
-                                         "multiattach": bool(volume.multiattach)})
+                                         "multiattach": bool(volume.multiattach), **source})
+        if source:
+            self._wait_available("volume_show", "volume_id", v["id"])
         return {"provider_id": v["id"]}
+
+    def _wait_available(self, method, key, shareblk_id):
+        """Polls a volume or snapshot that is being copied until it is available."""
+        deadline = time.monotonic() + self.configuration.shareblk_copy_timeout
+        while True:
+            shown = self._call(method, {key: shareblk_id})
+            if shown["status"] == "available":
+                return shown
+            if shown["status"] != "creating":
+                raise exception.VolumeBackendAPIException(
+                    data=f"shareblk {shareblk_id}: {shown['status']}: "
+                         f"{shown.get('status_reason')}")
+            if time.monotonic() > deadline:
+                raise exception.VolumeBackendAPIException(
+                    data=f"shareblk {shareblk_id}: still creating after "
+                         f"{self.configuration.shareblk_copy_timeout} s "
+                         f"({shown.get('progress')} %)")
+            time.sleep(0.1)
 
     def delete_volume(self, volume):
         volume_id = self._shareblk_id(volume)
@@ -209,19 +236,37 @@ class ShareblkDriver(driver.VolumeDriver):
         # Every Cinder attachment has a shareblk connection of its own: none is shared.
         return False
 
-    # --- what shareblk has no call for yet (issue 24, item 2) ---
+    # --- snapshots and clones (docs/snapshots.md) ---
+
+    def _shareblk_snapshot_id(self, snapshot):
+        if snapshot.provider_id:
+            return snapshot.provider_id
+        for s in self._call("snapshot_list"):
+            if s["name"] == snapshot.name:
+                return s["id"]
+        return None
 
     def create_snapshot(self, snapshot):
-        raise NotImplementedError("shareblk has no snapshots yet")
+        """Crash-consistent even while the volume is attached and written: shareblkd holds its
+        writes at the target (they wait, never fail) until the snapshot is taken."""
+        s = self._call("snapshot_create", {"volume_id": self._shareblk_id(snapshot.volume),
+                                           "name": snapshot.name})
+        self._wait_available("snapshot_show", "snapshot_id", s["id"])
+        return {"provider_id": s["id"]}
 
     def delete_snapshot(self, snapshot):
-        raise NotImplementedError("shareblk has no snapshots yet")
+        snapshot_id = self._shareblk_snapshot_id(snapshot)
+        if snapshot_id is None:
+            LOG.info("shareblk snapshot of %s is gone already", snapshot.id)
+            return
+        self._call("snapshot_delete", {"snapshot_id": snapshot_id, "wait": True},
+                   ok_reasons=("not_found",))
 
     def create_volume_from_snapshot(self, volume, snapshot):
-        raise NotImplementedError("shareblk has no snapshots yet")
+        return self.create_volume(volume, from_snapshot=self._shareblk_snapshot_id(snapshot))
 
     def create_cloned_volume(self, volume, src_vref):
-        raise NotImplementedError("shareblk has no clones yet")
+        return self.create_volume(volume, from_volume=self._shareblk_id(src_vref))
 
     # --- stats ---
 

@@ -52,7 +52,7 @@ if REASON is None:
     from cinder import context, objects
     objects.register_all()
     from cinder import exception as cinder_exception
-    from cinder.tests.unit import fake_volume
+    from cinder.tests.unit import fake_snapshot, fake_volume
     from os_brick.initiator import connector as brick_connector
 
     from shareblk import cinder as shareblk_cinder
@@ -185,6 +185,31 @@ class OpenStackTest(unittest.TestCase):
         r = qemu_io(b["data"]["uri"], "read -P 0x5a 0 64k", read_only=True)
         self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
 
+        # A snapshot while A is attached, then A writes again: a volume made from the
+        # snapshot has the bytes of the moment, a clone of the volume the bytes of now.
+        snapshot = fake_snapshot.fake_snapshot_obj(self.ctx, volume_size=volume.size)
+        snapshot.volume = volume
+        snapshot.update(self.driver.create_snapshot(snapshot))
+        shown = self.control.call("snapshot_show", {"snapshot_id": snapshot.provider_id})
+        self.assertEqual((shown["status"], shown["volume_id"]), ("available", volume.provider_id))
+        r = qemu_io(a["data"]["uri"], "write -P 0x6b 64k 4k", "flush")
+        self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
+        restored = fake_volume.fake_volume_obj(self.ctx, size=1, multiattach=False)
+        restored.volume_attachment = objects.VolumeAttachmentList(objects=[])
+        restored.update(self.driver.create_volume_from_snapshot(restored, snapshot))
+        clone = fake_volume.fake_volume_obj(self.ctx, size=2, multiattach=False)
+        clone.volume_attachment = objects.VolumeAttachmentList(objects=[])
+        clone.update(self.driver.create_cloned_volume(clone, volume))
+        self.assertEqual(self.control.call("volume_show",
+                                           {"volume_id": clone.provider_id})["size"], 2 << 30)
+        for copy, later in ((restored, "0"), (clone, "0x6b")):
+            info, connector = self.connect(copy, "instance-c", "host3", "ro")
+            r = qemu_io(info["data"]["uri"], "read -P 0x5a 0 64k", f"read -P {later} 64k 4k",
+                        read_only=True)
+            self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
+            self.driver.terminate_connection(copy, connector)
+            self.driver.delete_volume(copy)
+
         # Nova's libvirt driver, patched with the one VOLUME_DRIVERS entry, makes the disks.
         xml_a = self.nova_disk(a, multiattach=True)
         xml_b = self.nova_disk(b, multiattach=True)
@@ -215,6 +240,11 @@ class OpenStackTest(unittest.TestCase):
             self.control.call("volume_show", {"volume_id": volume.provider_id})["size"], 2 << 30)
         self.assertFalse(self.driver.get_volume_stats(refresh=True)["online_extend_support"])
 
+        # Its snapshot goes first.
+        with self.assertRaises(cinder_exception.VolumeIsBusy):
+            self.driver.delete_volume(volume)
+        self.driver.delete_snapshot(snapshot)
+        self.driver.delete_snapshot(snapshot)  # gone already: not an error
         self.driver.delete_volume(volume)
         with self.assertRaises(Exception) as caught:
             self.control.call("volume_show", {"volume_id": volume.provider_id})
