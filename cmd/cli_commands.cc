@@ -82,10 +82,11 @@ Json attachment_id_only(const std::vector<std::string>& args) {
 const Command kCommands[] = {
     {"volume-create", "volume_create",
      "NAME SIZE [--multiattach] [--bootable] [--writer-policy multi|single] [--qos "
-     "KEY=VALUE,...] | NAME [SIZE] --from-image FILE [--no-wait]",
+     "KEY=VALUE,...] | NAME [SIZE] (--from-image FILE | --from-snapshot SNAPSHOT | "
+     "--from-volume VOLUME) [--no-wait]",
      "Creates a volume of SIZE (bytes, or with a K/M/G/T suffix in powers of 1024), or one\n"
-     "filled from a raw or qcow2 image on the daemon's host (at least the image's virtual size;\n"
-     "a progress bar until it is filled, unless --no-wait).\n"
+     "filled from a raw or qcow2 image on the daemon's host, a snapshot, or a copy of another\n"
+     "volume (at least the source's size; a progress bar until it is filled, unless --no-wait).\n"
      "  --multiattach          several live attachments at once\n"
      "  --bootable             marks it bootable (the policy may forbid sharing it)\n"
      "  --writer-policy single at most one attachment writes at a time (volume-takeover)\n"
@@ -93,11 +94,13 @@ const Command kCommands[] = {
      "examples:\n"
      "  shareblk volume-create data 10G --multiattach\n"
      "  shareblk volume-create quorum 64M --multiattach --writer-policy single\n"
-     "  shareblk volume-create debian --from-image /srv/images/debian-12.qcow2",
+     "  shareblk volume-create debian --from-image /srv/images/debian-12.qcow2\n"
+     "  shareblk volume-create data-restored --from-snapshot before-upgrade",
      [](const std::vector<std::string>& args) {
        po::options_description d;
        d.add_options()("multiattach", po::bool_switch())("bootable", po::bool_switch())(
            "writer-policy", po::value<std::string>())("from-image", po::value<std::string>())(
+           "from-snapshot", po::value<std::string>())("from-volume", po::value<std::string>())(
            "qos", po::value<std::string>());
        po::positional_options_description pos;
        d.add_options()("name", po::value<std::string>()->required(), "")(
@@ -113,8 +116,14 @@ const Command kCommands[] = {
        if (vm.count("from-image")) {
          // A path on the daemon's host: made absolute here, where the caller's directory is.
          p["from_image"] = std::filesystem::absolute(get(vm, "from-image")).string();
-       } else if (!vm.count("size")) {
-         throw UsageError("volume-create needs SIZE, or --from-image");
+       }
+       if (vm.count("from-snapshot")) p["from_snapshot"] = get(vm, "from-snapshot");
+       if (vm.count("from-volume")) p["from_volume"] = get(vm, "from-volume");
+       if (!vm.count("size") && !vm.count("from-image") && !vm.count("from-snapshot") &&
+           !vm.count("from-volume")) {
+         throw UsageError(
+             "volume-create needs SIZE, or --from-image, --from-snapshot or "
+             "--from-volume");
        }
        if (vm.count("writer-policy")) p["writer_policy"] = get(vm, "writer-policy");
        if (vm.count("qos")) p["qos"] = qos_from(get(vm, "qos"));
@@ -169,6 +178,42 @@ const Command kCommands[] = {
        return p;
      },
      View::Volume},
+    {"snapshot-create", "snapshot_create", "VOLUME NAME [--no-wait]",
+     "Takes a crash-consistent snapshot of a volume, attached or not: its writes wait at the\n"
+     "target while it is taken (a moment on XFS or btrfs, a copy elsewhere; a progress bar\n"
+     "until it is done, unless --no-wait). docs/snapshots.md says how.\n"
+     "example:\n  shareblk snapshot-create data before-upgrade",
+     [](const std::vector<std::string>& args) {
+       auto vm = parse(args, {}, {"volume_id", "name"});
+       return Json{{"volume_id", get(vm, "volume_id")}, {"name", get(vm, "name")}};
+     },
+     View::Raw},
+    {"snapshot-list", "snapshot_list", "[VOLUME]",
+     "Lists every snapshot, or a volume's.\nexample:\n  shareblk snapshot-list data",
+     [](const std::vector<std::string>& args) {
+       po::options_description d;
+       po::positional_options_description pos;
+       d.add_options()("volume_id", po::value<std::string>(), "");
+       pos.add("volume_id", 1);
+       po::variables_map vm;
+       po::store(po::command_line_parser(args).options(d).positional(pos).run(), vm);
+       po::notify(vm);
+       return vm.count("volume_id") ? Json{{"volume_id", get(vm, "volume_id")}} : Json::object();
+     },
+     View::Raw},
+    {"snapshot-show", "snapshot_show", "SNAPSHOT",
+     "Shows a snapshot.\nexample:\n  shareblk snapshot-show before-upgrade",
+     [](const std::vector<std::string>& args) {
+       return Json{{"snapshot_id", get(parse(args, {}, {"snapshot_id"}), "snapshot_id")}};
+     },
+     View::Raw},
+    {"snapshot-delete", "snapshot_delete", "SNAPSHOT [--no-wait]",
+     "Deletes a snapshot (in the background; a progress bar until it is done, unless\n"
+     "--no-wait).\nexample:\n  shareblk snapshot-delete before-upgrade",
+     [](const std::vector<std::string>& args) {
+       return Json{{"snapshot_id", get(parse(args, {}, {"snapshot_id"}), "snapshot_id")}};
+     },
+     View::Raw},
     {"attachment-create", "attachment_create",
      "VOLUME INSTANCE_UUID [--host H] [--mode rw|ro] [--connector-host H [--transport "
      "unix|tcp] [--ip IP]]",

@@ -120,11 +120,13 @@ void print_object(const Json& object) {
 // follows it (volume_show, five times a second) with a progress bar on a terminal's stderr,
 // until the volume is gone (a delete) or no longer "creating". Returns the exit status and sets
 // `result` to what to print.
-int follow_job(shareblk::rpc::Client& client, const std::string& volume_id, Json& result) {
+// `what` is "volume" or "snapshot": whose _show to poll.
+int follow_job(shareblk::rpc::Client& client, const std::string& what, const std::string& volume_id,
+               Json& result) {
   const bool bar = ::isatty(2) != 0;
   int last = -1;
   for (;;) {
-    const shareblk::rpc::Outcome shown = client.call("volume_show", {{"volume_id", volume_id}});
+    const shareblk::rpc::Outcome shown = client.call(what + "_show", {{what + "_id", volume_id}});
     if (shown.error && shown.error->reason == "not_found") {
       if (bar && last >= 0) std::cerr << "\n";
       result = Json{{"id", volume_id}, {"deleted", true}};
@@ -132,7 +134,8 @@ int follow_job(shareblk::rpc::Client& client, const std::string& volume_id, Json
     }
     if (shown.error) {
       if (bar && last >= 0) std::cerr << "\n";
-      std::cerr << "shareblk: volume_show failed: " << escaped(shown.error->message) << "\n";
+      std::cerr << "shareblk: " << what << "_show failed: " << escaped(shown.error->message)
+                << "\n";
       return shown.error->link ? 3 : 1;
     }
     const Json& v = shown.result;
@@ -141,7 +144,7 @@ int follow_job(shareblk::rpc::Client& client, const std::string& volume_id, Json
       if (bar && last >= 0) std::cerr << "\n";
       result = v;
       if (status != "error") return 0;
-      std::cerr << "shareblk: volume " << escaped(volume_id)
+      std::cerr << "shareblk: " << what << " " << escaped(volume_id)
                 << " is in error: " << text(v["status_reason"]) << "\n";
       return 1;
     }
@@ -162,7 +165,8 @@ void usage(std::ostream& out, const po::options_description& global) {
   for (const cli::Command& c : cli::commands()) out << "  " << c.name << " " << c.usage << "\n";
   out << "  call METHOD [JSON_PARAMS]   any method, params as a JSON object\n"
       << "  help [COMMAND]              this, or one command's help with examples\n\n"
-      << "VOLUME and ATTACHMENT take an id, a unique prefix of one, or (a volume) its name.\n\n"
+      << "VOLUME, SNAPSHOT and ATTACHMENT take an id, a unique prefix of one, or (a volume or\n"
+      << "snapshot) its name.\n\n"
       << global;
 }
 
@@ -205,11 +209,19 @@ std::vector<Found> listed(shareblk::rpc::Client& client, const char* method, con
   return found;
 }
 
-// Replaces the volume and attachment references in `params` by the ids they name.
+// Replaces the volume, snapshot and attachment references in `params` by the ids they name.
 void resolve_references(shareblk::rpc::Client& client, Json& params) {
-  if (params.contains("volume_id") && params["volume_id"].is_string()) {
-    params["volume_id"] = resolve(listed(client, "volume_list", "name"),
-                                  params["volume_id"].get<std::string>(), "volume");
+  for (const char* key : {"volume_id", "from_volume"}) {
+    if (params.contains(key) && params[key].is_string()) {
+      params[key] =
+          resolve(listed(client, "volume_list", "name"), params[key].get<std::string>(), "volume");
+    }
+  }
+  for (const char* key : {"snapshot_id", "from_snapshot"}) {
+    if (params.contains(key) && params[key].is_string()) {
+      params[key] = resolve(listed(client, "snapshot_list", "name"), params[key].get<std::string>(),
+                            "snapshot");
+    }
   }
   if (params.contains("attachment_id") && params["attachment_id"].is_string()) {
     params["attachment_id"] = resolve(listed(client, "attachment_list", "instance_uuid"),
@@ -410,8 +422,9 @@ int run(int argc, char** argv) {
     return stats_command(client, rest, vm["json"].as<bool>());
   }
 
-  // volume-delete and volume-create --from-image wait for their job unless --no-wait.
-  bool follow = command == "volume-delete" || command == "volume-create";
+  // Deletes, and creates that copy bytes in, wait for their job unless --no-wait.
+  bool follow = command == "volume-delete" || command == "volume-create" ||
+                command == "snapshot-create" || command == "snapshot-delete";
   if (auto it = std::find(rest.begin(), rest.end(), "--no-wait"); follow && it != rest.end()) {
     rest.erase(it);
     follow = false;
@@ -483,7 +496,8 @@ int run(int argc, char** argv) {
   int status = 0;
   if (follow && result.is_object() &&
       (result.value("status", "") == "deleting" || result.value("status", "") == "creating")) {
-    status = follow_job(client, result["id"].get<std::string>(), result);
+    status = follow_job(client, method.starts_with("snapshot_") ? "snapshot" : "volume",
+                        result["id"].get<std::string>(), result);
     if (method == "volume_delete" && status == 0) view = cli::View::Raw;
   }
   if (vm["json"].as<bool>()) {

@@ -268,6 +268,37 @@ TEST_F(SnapshotTest, ASnapshotBeingCopiedCannotBeUsedOrDeletedAndACrashRollsItBa
   EXPECT_EQ(rpc_ok(control(), "volume_show", {{"volume_id", vol}})["status"], before["status"]);
 }
 
+// The CLI names volumes and snapshots by name, and waits for the copies.
+TEST_F(SnapshotTest, TheCliTakesSnapshotsByNameAndMakesVolumesFromThem) {
+  start();
+  auto cli = [&](std::vector<std::string> args) {
+    std::vector<std::string> argv{SHAREBLK_CLI_PATH, "--socket", control()};
+    argv.insert(argv.end(), args.begin(), args.end());
+    return run(argv, std::chrono::seconds(60));
+  };
+  ASSERT_EQ(cli({"volume-create", "data", "8M"}).status, 0);
+  RunResult r = cli({"--json", "snapshot-create", "data", "before-upgrade"});
+  ASSERT_EQ(r.status, 0) << r.output;
+  const Json taken = Json::parse(r.output, nullptr, false);
+  EXPECT_EQ(taken.value("status", ""), "available") << r.output;
+  r = cli({"--json", "volume-create", "restored", "--from-snapshot", "before-upgrade"});
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_EQ(Json::parse(r.output, nullptr, false).value("status", ""), "available") << r.output;
+  r = cli({"--json", "volume-create", "twin", "16M", "--from-volume", "data"});
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_EQ(Json::parse(r.output, nullptr, false).value("size", 0u), 16 * kMiB) << r.output;
+  r = cli({"--json", "snapshot-list", "data"});
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_EQ(Json::parse(r.output, nullptr, false).size(), 1u) << r.output;
+  r = cli({"volume-delete", "data"});
+  EXPECT_EQ(r.status, 1) << r.output;
+  EXPECT_NE(r.output.find("volume_has_snapshots"), std::string::npos) << r.output;
+  r = cli({"--json", "snapshot-delete", "before-upgrade"});
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_EQ(Json::parse(r.output, nullptr, false).value("deleted", false), true) << r.output;
+  EXPECT_EQ(cli({"volume-delete", "data"}).status, 0);
+}
+
 // On a file system with reflinks a snapshot shares the volume's blocks: it takes no space and
 // no time, and writes to either side after it stay apart.
 TEST_F(SnapshotTest, OnXfsASnapshotIsAReflinkThatTakesNoSpace) {
