@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "tests/managed_daemon.h"
+#include "tests/nbd_client.h"
 
 namespace shareblk::testing {
 namespace {
@@ -30,34 +31,23 @@ bool all(const std::string& s, char c) {
   return s.find_first_not_of(c) == std::string::npos;
 }
 
-struct Nbd {
-  explicit Nbd(const std::string& uri) : h(nbd_create()) {
-    ok = h != nullptr && nbd_connect_uri(h, uri.c_str()) == 0;
+// Through libnbd (tests/nbd_client.h), in pieces of 4 MiB: a request carries 32 MiB at most.
+constexpr uint64_t kPiece = 4 << 20;
+
+std::string read_bytes(nbd_handle* h, uint64_t length, uint64_t offset) {
+  std::string out;
+  for (uint64_t done = 0; done < length; done += kPiece) {
+    out += nbd_read(h, offset + done, std::min(kPiece, length - done));
   }
-  ~Nbd() {
-    if (h) nbd_close(h);
+  return out;
+}
+
+void write_bytes(nbd_handle* h, const std::string& data, uint64_t offset) {
+  for (uint64_t done = 0; done < data.size(); done += kPiece) {
+    const uint64_t n = std::min<uint64_t>(kPiece, data.size() - done);
+    ASSERT_EQ(nbd_pwrite(h, data.data() + done, n, offset + done, 0), 0) << nbd_get_error();
   }
-  Nbd(const Nbd&) = delete;
-  Nbd& operator=(const Nbd&) = delete;
-  // In pieces of 4 MiB: a request may carry 32 MiB at most.
-  std::string read(uint64_t length, uint64_t offset) {
-    std::string out(length, '\0');
-    for (uint64_t done = 0; done < length; done += kPiece) {
-      const uint64_t n = std::min(kPiece, length - done);
-      EXPECT_EQ(nbd_pread(h, out.data() + done, n, offset + done, 0), 0) << nbd_get_error();
-    }
-    return out;
-  }
-  void write(const std::string& data, uint64_t offset) {
-    for (uint64_t done = 0; done < data.size(); done += kPiece) {
-      const uint64_t n = std::min<uint64_t>(kPiece, data.size() - done);
-      ASSERT_EQ(nbd_pwrite(h, data.data() + done, n, offset + done, 0), 0) << nbd_get_error();
-    }
-  }
-  static constexpr uint64_t kPiece = 4 << 20;
-  nbd_handle* h;
-  bool ok = false;
-};
+}
 
 class SnapshotTest : public ManagedDaemonTest {
  protected:
@@ -87,16 +77,16 @@ class SnapshotTest : public ManagedDaemonTest {
 TEST_F(SnapshotTest, ASnapshotKeepsTheVolumeAsItWasAndNewVolumesCopyIt) {
   start();
   const std::string vol = create_volume("64M");
-  Nbd client(uri(vol, "a"));
-  ASSERT_TRUE(client.ok) << nbd_get_error();
-  client.write(std::string(64 * 1024, 'A'), 8 * kMiB);
+  NbdHandle client = nbd_connect(uri(vol, "a"));
+  ASSERT_TRUE(client) << nbd_get_error();
+  write_bytes(client.get(), std::string(64 * 1024, 'A'), 8 * kMiB);
 
   const Json taken = snapshot(vol, "before");
   EXPECT_EQ(taken["volume_id"], vol);
   EXPECT_EQ(taken["size"], 64 * kMiB);
   const std::string snap = taken["id"];
   EXPECT_EQ(settle("snapshot_show", "snapshot_id", snap)["status"], "available");
-  client.write(std::string(64 * 1024, 'B'), 8 * kMiB);
+  write_bytes(client.get(), std::string(64 * 1024, 'B'), 8 * kMiB);
 
   // From the snapshot: the bytes as they were, at the snapshot's size; sparse as the source.
   const Json from_snap =
@@ -106,10 +96,10 @@ TEST_F(SnapshotTest, ASnapshotKeepsTheVolumeAsItWasAndNewVolumesCopyIt) {
   EXPECT_EQ(settle("volume_show", "volume_id", restored)["status"], "available");
   EXPECT_LE(allocated(restored), 1 * kMiB) << "a copy of 64 KiB of data must stay sparse";
   {
-    Nbd r(uri(restored, "b"));
-    ASSERT_TRUE(r.ok) << nbd_get_error();
-    EXPECT_TRUE(all(r.read(64 * 1024, 8 * kMiB), 'A'));
-    EXPECT_TRUE(all(r.read(4096, 0), '\0'));
+    NbdHandle r = nbd_connect(uri(restored, "b"));
+    ASSERT_TRUE(r) << nbd_get_error();
+    EXPECT_TRUE(all(read_bytes(r.get(), 64 * 1024, 8 * kMiB), 'A'));
+    EXPECT_TRUE(all(read_bytes(r.get(), 4096, 0), '\0'));
   }
   // From the volume, larger: its bytes now, zeroes past them.
   const std::string cloned = rpc_ok(
@@ -118,10 +108,10 @@ TEST_F(SnapshotTest, ASnapshotKeepsTheVolumeAsItWasAndNewVolumesCopyIt) {
   EXPECT_EQ(clone["status"], "available") << clone;
   EXPECT_EQ(clone["size"], 96 * kMiB);
   {
-    Nbd c(uri(cloned, "c"));
-    ASSERT_TRUE(c.ok) << nbd_get_error();
-    EXPECT_TRUE(all(c.read(64 * 1024, 8 * kMiB), 'B'));
-    EXPECT_TRUE(all(c.read(4096, 80 * kMiB), '\0'));
+    NbdHandle c = nbd_connect(uri(cloned, "c"));
+    ASSERT_TRUE(c) << nbd_get_error();
+    EXPECT_TRUE(all(read_bytes(c.get(), 64 * 1024, 8 * kMiB), 'B'));
+    EXPECT_TRUE(all(read_bytes(c.get(), 4096, 80 * kMiB), '\0'));
   }
 
   const Json listed = rpc_ok(control(), "snapshot_list", {{"volume_id", vol}});
@@ -168,18 +158,19 @@ TEST_F(SnapshotTest, ASnapshotTakenUnderWritesIsAPointInTime) {
   {
     // Every block allocated, and not zero (a copy skips holes and zeroes at once), with 0 for
     // its sequence number.
-    Nbd fill(writer_uri);
-    ASSERT_TRUE(fill.ok) << nbd_get_error();
+    NbdHandle fill = nbd_connect(writer_uri);
+    ASSERT_TRUE(fill) << nbd_get_error();
     std::string blocks_of_x(4 * kMiB, 'x');
     for (uint64_t b = 0; b < 4 * kMiB / kBlock; ++b) std::memset(&blocks_of_x[b * kBlock], 0, 8);
-    for (uint64_t at = 0; at < 64 * kMiB; at += blocks_of_x.size()) fill.write(blocks_of_x, at);
+    for (uint64_t at = 0; at < 64 * kMiB; at += blocks_of_x.size())
+      write_bytes(fill.get(), blocks_of_x, at);
   }
   std::atomic<uint64_t> written{0};
   std::atomic<bool> stop{false};
   std::atomic<int> failures{0};
   std::thread writer([&] {
-    Nbd w(writer_uri);
-    if (!w.ok) {
+    NbdHandle w = nbd_connect(writer_uri);
+    if (!w) {
       failures++;
       return;
     }
@@ -187,7 +178,7 @@ TEST_F(SnapshotTest, ASnapshotTakenUnderWritesIsAPointInTime) {
     for (uint64_t i = 0; i < blocks && !stop; ++i) {
       const uint64_t value = i + 1;
       std::memcpy(block.data(), &value, sizeof value);
-      if (nbd_pwrite(w.h, block.data(), kBlock, i * kBlock, 0) != 0) {
+      if (nbd_pwrite(w.get(), block.data(), kBlock, i * kBlock, 0) != 0) {
         failures++;
         return;
       }
@@ -217,9 +208,9 @@ TEST_F(SnapshotTest, ASnapshotTakenUnderWritesIsAPointInTime) {
   const std::string copy =
       rpc_ok(control(), "volume_create", {{"name", "c"}, {"from_snapshot", snap}})["id"];
   ASSERT_EQ(settle("volume_show", "volume_id", copy)["status"], "available");
-  Nbd r(uri(copy, "reader"));
-  ASSERT_TRUE(r.ok) << nbd_get_error();
-  const std::string bytes = r.read(64 * kMiB, 0);
+  NbdHandle r = nbd_connect(uri(copy, "reader"));
+  ASSERT_TRUE(r) << nbd_get_error();
+  const std::string bytes = read_bytes(r.get(), 64 * kMiB, 0);
   uint64_t prefix = 0;
   while (prefix < blocks) {
     uint64_t value = 0;
@@ -246,9 +237,9 @@ TEST_F(SnapshotTest, ASnapshotBeingCopiedCannotBeUsedOrDeletedAndACrashRollsItBa
   ::unsetenv("SHAREBLK_TEST_JOB_PAUSE_MS");
   const std::string vol = create_volume("8M");
   {
-    Nbd w(uri(vol, "a"));
-    ASSERT_TRUE(w.ok) << nbd_get_error();
-    w.write(std::string(kMiB, 'z'), 0);
+    NbdHandle w = nbd_connect(uri(vol, "a"));
+    ASSERT_TRUE(w) << nbd_get_error();
+    write_bytes(w.get(), std::string(kMiB, 'z'), 0);
   }
   const Json taken = snapshot(vol);
   EXPECT_EQ(taken["status"], "creating");
@@ -329,10 +320,10 @@ TEST_F(SnapshotTest, OnXfsASnapshotIsAReflinkThatTakesNoSpace) {
       {{"volume_id", vol},
        {"instance_uuid", "a"},
        {"connector", {{"host", "a"}, {"transport", "unix"}}}})["connection_info"]["data"]["uri"];
-  Nbd w(link);
-  ASSERT_TRUE(w.ok) << nbd_get_error();
-  w.write(std::string(64 * kMiB, 'R'), 0);
-  ASSERT_EQ(nbd_flush(w.h, 0), 0);
+  NbdHandle w = nbd_connect(link);
+  ASSERT_TRUE(w) << nbd_get_error();
+  write_bytes(w.get(), std::string(64 * kMiB, 'R'), 0);
+  ASSERT_EQ(nbd_flush(w.get(), 0), 0);
   struct statvfs before {};
   ASSERT_EQ(::statvfs(state.c_str(), &before), 0);
   const auto t0 = std::chrono::steady_clock::now();
@@ -359,9 +350,9 @@ TEST_F(SnapshotTest, OnXfsASnapshotIsAReflinkThatTakesNoSpace) {
                                                         socket_dir_ / "xfs.sock", "--workers", "1"},
                                control);
   {
-    Nbd again(link);
-    ASSERT_TRUE(again.ok) << nbd_get_error();
-    again.write(std::string(kMiB, 'W'), 0);
+    NbdHandle again = nbd_connect(link);
+    ASSERT_TRUE(again) << nbd_get_error();
+    write_bytes(again.get(), std::string(kMiB, 'W'), 0);
   }
   const std::string copy =
       rpc_ok(control, "volume_create", {{"name", "c"}, {"from_snapshot", snap}})["id"];
@@ -376,9 +367,9 @@ TEST_F(SnapshotTest, OnXfsASnapshotIsAReflinkThatTakesNoSpace) {
       {{"volume_id", copy},
        {"instance_uuid", "b"},
        {"connector", {{"host", "b"}, {"transport", "unix"}}}})["connection_info"]["data"]["uri"];
-  Nbd r(read_uri);
-  ASSERT_TRUE(r.ok) << nbd_get_error();
-  EXPECT_TRUE(all(r.read(4096, 0), 'R'));
+  NbdHandle r = nbd_connect(read_uri);
+  ASSERT_TRUE(r) << nbd_get_error();
+  EXPECT_TRUE(all(read_bytes(r.get(), 4096, 0), 'R'));
   daemon->stop(SIGTERM);
 }
 
