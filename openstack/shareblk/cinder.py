@@ -66,6 +66,33 @@ def _size(gib):
     return f"{int(gib)}G"
 
 
+# Cinder's QoS keys that shareblk enforces at the target (docs/qos.md): the rates and their
+# bursts. Cinder's others (*_per_gb, size_iops_sec) have no meaning there.
+QOS_KEYS = tuple(f"{kind}_{unit}_sec{burst}" for kind in ("total", "read", "write")
+                 for unit in ("iops", "bytes") for burst in ("", "_max"))
+
+
+def _qos_of(volume):
+    """The shareblk ``qos`` of a volume: its type's QoS spec when the spec's consumer is
+    ``back-end`` or ``both`` (a ``front-end`` one is the hypervisor's to enforce)."""
+    if not volume.obj_attr_is_set("volume_type") or volume.volume_type is None:
+        return {}
+    vtype = volume.volume_type
+    if not vtype.obj_attr_is_set("qos_specs") and not vtype.qos_specs_id:
+        return {}
+    specs = vtype.qos_specs
+    if specs is None or specs.consumer not in ("back-end", "both"):
+        return {}
+    qos = {}
+    for key, value in (specs.specs or {}).items():
+        if key in QOS_KEYS:
+            qos[key] = int(value)
+        else:
+            LOG.warning("QoS key %s of volume type %s is not enforced by shareblk", key,
+                        vtype.name)
+    return qos
+
+
 @interface.volumedriver
 class ShareblkDriver(driver.VolumeDriver):
     """Volumes and attachments on shareblkd (one multi-attach NBD target)."""
@@ -124,8 +151,12 @@ class ShareblkDriver(driver.VolumeDriver):
     def create_volume(self, volume, **source):
         """``source``: from_snapshot or from_volume, a shareblk id; the call then waits until
         the copy is whole."""
-        v = self._call("volume_create", {"name": volume.name, "size": _size(volume.size),
-                                         "multiattach": bool(volume.multiattach), **source})
+        params = {"name": volume.name, "size": _size(volume.size),
+                  "multiattach": bool(volume.multiattach), **source}
+        qos = _qos_of(volume)
+        if qos:
+            params["qos"] = qos
+        v = self._call("volume_create", params)
         if source:
             self._wait_available("volume_show", "volume_id", v["id"])
         return {"provider_id": v["id"]}
@@ -284,5 +315,6 @@ class ShareblkDriver(driver.VolumeDriver):
             "thin_provisioning_support": True,
             # QEMU's NBD client keeps the size it saw at connect ("Cannot grow NBD nodes").
             "online_extend_support": False,
-            "QoS_support": False,
+            # A volume type's back-end QoS spec becomes the volume's limits at the target.
+            "QoS_support": True,
         }

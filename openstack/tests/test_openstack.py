@@ -507,6 +507,30 @@ class OpenStackTest(unittest.TestCase):
         self.driver.delete_volume(volume)
         self.assertEqual(os.listdir(work / "conversion"), [])  # no temporary file left
 
+    def test_a_volume_types_back_end_qos_is_enforced_by_the_target(self):
+        def typed(consumer, specs):
+            volume = fake_volume.fake_volume_obj(self.ctx, size=1, multiattach=True)
+            volume.volume_type = objects.VolumeType(
+                self.ctx, id=str(uuid.uuid4()), name=f"limited-{consumer}",
+                qos_specs=objects.QualityOfServiceSpecs(
+                    self.ctx, id=str(uuid.uuid4()), name="q", consumer=consumer, specs=specs))
+            volume.update(self.driver.create_volume(volume))
+            self.addCleanup(self.driver.delete_volume, volume)
+            return self.control.call("volume_show", {"volume_id": volume.provider_id})["qos"]
+
+        specs = {"total_iops_sec": "500", "read_bytes_sec": "1048576",
+                 "read_bytes_sec_max": "4194304",
+                 "size_iops_sec": "10"}  # the last has no meaning at the target
+        self.assertEqual(typed("back-end", specs), {"total_iops_sec": 500,
+                                                    "read_bytes_sec": 1048576,
+                                                    "read_bytes_sec_max": 4194304})
+        self.assertEqual(typed("both", {"write_iops_sec": "20"}), {"write_iops_sec": 20})
+        self.assertEqual(typed("front-end", specs), {})  # the hypervisor's to enforce
+        # shareblk checks the spec as its own API does: a burst without its rate is refused.
+        with self.assertRaises(cinder_exception.VolumeBackendAPIException):
+            typed("back-end", {"write_iops_sec_max": "100"})
+        self.assertTrue(self.driver.get_volume_stats(refresh=True)["QoS_support"])
+
     def test_stats_say_multiattach_and_nbd(self):
         stats = self.driver.get_volume_stats(refresh=True)
         self.assertTrue(stats["multiattach"])
