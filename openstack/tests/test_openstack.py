@@ -9,6 +9,7 @@ except under CI=true, where it fails.
 
 import json
 import os
+import pwd
 import shutil
 import signal
 import socket
@@ -18,6 +19,7 @@ import tempfile
 import time
 import unittest
 import uuid
+import xml.etree.ElementTree as ET
 from pathlib import Path
 from unittest import mock
 
@@ -178,6 +180,126 @@ def libnbd_write(uri):
     out = subprocess.run(["/usr/bin/python3", "-c", script, uri], capture_output=True,
                          text=True, timeout=60)
     return out.stdout.strip()
+
+
+# libvirtd as root is the system daemon; as another user it is a session daemon, all its state
+# under that user's XDG directories. nobody: a user every Debian has.
+LIBVIRT_USER = "nobody"
+
+
+def libvirt_missing():
+    """Why a libvirt of the test's own cannot start a guest here, or None."""
+    path = os.environ.get("PATH", "") + ":/usr/sbin:/usr/bin"
+    for tool in ("libvirtd", "virsh", "qemu-system-x86_64", "setpriv"):
+        if shutil.which(tool, path=path) is None:
+            return f"needs {tool} (Debian's libvirt-daemon, libvirt-clients, qemu-system-x86)"
+    try:
+        pwd.getpwnam(LIBVIRT_USER)
+    except KeyError:
+        return f"needs a user {LIBVIRT_USER} to run session libvirt as"
+    return None
+
+
+class SessionLibvirt:
+    """A libvirtd of the test's own: session mode (qemu:///session) as an unprivileged user,
+    with HOME and the XDG runtime, config and cache directories in ``directory``. The machine's
+    libvirt (its config, sockets, daemons, domains) is never touched, and what this one leaves
+    goes with the directory. Guests' QEMUs run as that user too."""
+
+    def __init__(self, directory):
+        self.dir = Path(directory)
+        user = pwd.getpwnam(LIBVIRT_USER)
+        self.uid, self.gid = user.pw_uid, user.pw_gid
+        self.env = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LC_ALL": "C",
+                    # virsh would otherwise spawn a libvirtd of its own if ours is not up
+                    "LIBVIRT_AUTOSTART": "0"}
+        for var, sub in (("HOME", "home"), ("XDG_RUNTIME_DIR", "run"),
+                         ("XDG_CONFIG_HOME", "config"), ("XDG_CACHE_HOME", "cache")):
+            (self.dir / sub).mkdir(mode=0o700)
+            os.chown(self.dir / sub, self.uid, self.gid)
+            self.env[var] = str(self.dir / sub)
+        conf = self.dir / "config" / "libvirt"
+        conf.mkdir(mode=0o700)
+        # QEMU's stdout and stderr straight to the domain's log file: no virtlogd to outlive us.
+        (conf / "qemu.conf").write_text('stdio_handler = "file"\n')
+        for p in (conf, conf / "qemu.conf"):
+            os.chown(p, self.uid, self.gid)
+        os.chown(self.dir, self.uid, self.gid)
+        self.process = None
+        self.qemu_pids = []
+
+    def as_user(self, argv):
+        return ["setpriv", f"--reuid={self.uid}", f"--regid={self.gid}", "--clear-groups"] + argv
+
+    def start(self):
+        self.log = open(self.dir / "libvirtd.log", "w")
+        self.process = subprocess.Popen(self.as_user(["libvirtd"]), env=self.env,
+                                        cwd=self.dir, stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 20
+        while True:
+            if self.process.poll() is not None:
+                raise AssertionError("libvirtd exited: " + self.log_text())
+            if self.virsh("list", check=False).returncode == 0:
+                return
+            if time.monotonic() > deadline:
+                raise AssertionError("libvirtd not answering: " + self.log_text())
+            time.sleep(0.1)
+
+    def log_text(self):
+        return (self.dir / "libvirtd.log").read_text(errors="replace")
+
+    def virsh(self, *args, check=True):
+        r = subprocess.run(self.as_user(["virsh", "-c", "qemu:///session", *args]),
+                           env=self.env, capture_output=True, text=True, timeout=60)
+        if check and r.returncode != 0:
+            raise AssertionError(f"virsh {' '.join(args)}: {r.stdout}{r.stderr}")
+        return r
+
+    def create(self, name, xml):
+        """A transient domain; its QEMU's pid kept, to kill it if libvirt does not."""
+        path = self.dir / f"{name}.xml"
+        path.write_text(xml)
+        os.chmod(path, 0o644)
+        self.virsh("create", str(path))
+        pidfile = self.dir / "run" / "libvirt" / "qemu" / "run" / f"{name}.pid"
+        self.qemu_pids.append(int(pidfile.read_text()))
+
+    def qmp(self, name, command, **arguments):
+        r = self.virsh("qemu-monitor-command", name,
+                       json.dumps({"execute": command, "arguments": arguments}))
+        return json.loads(r.stdout)
+
+    def hmp(self, name, command):
+        return self.virsh("qemu-monitor-command", name, "--hmp", command).stdout
+
+    def domain_log(self, name):
+        return (self.dir / "cache" / "libvirt" / "qemu" / "log" / f"{name}.log").read_bytes()
+
+    def stop(self):
+        """Stops libvirtd by its pid, then kills any QEMU of ours it left running."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        for pid in self.qemu_pids:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        if self.process is not None:
+            self.log.close()
+
+
+def alive(pid, program=b"qemu-system"):
+    """The process runs ``program`` (a zombie, waiting for its reaper, does not; nor another
+    process that got the pid since)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        argv0 = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z" and program in os.path.basename(argv0)
 
 
 @unittest.skipIf(REASON is not None and os.environ.get("CI") != "true", REASON or "")
@@ -539,6 +661,112 @@ class OpenStackTest(unittest.TestCase):
 
     # --- Nova ---
 
+    def test_libvirt_starts_a_guest_whose_qemu_reads_the_volume_through_novas_disk(self):
+        """libvirt itself, from the disk XML Nova's patched driver makes of a read-only
+        attachment's connection_info: the guest's QEMU connects to shareblkd and reads the
+        volume; it cannot write through the disk, and shareblk's handshake told it why."""
+        reason = libvirt_missing()
+        if reason is not None:
+            if os.environ.get("CI") == "true":  # under CI=true a skip is a failure
+                self.fail(reason)
+            self.skipTest(reason)
+        volume = self.new_volume()
+        a, a_connector = self.connect(volume, "instance-lw", "host1", "rw")
+        r = qemu_io(a["data"]["uri"], "write -P 0x5a 0 64k", "flush")
+        self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
+        self.driver.terminate_connection(volume, a_connector)
+        b, b_connector = self.connect(volume, "instance-lr", "host2", "ro")
+        disk = self.nova_disk(b, multiattach=True)
+        self.assertIn("<readonly/>", disk)
+        host, port, name = self.source_of(disk)
+        self.assertEqual(host, "127.0.0.1")  # the connector's IP, to which B is bound
+
+        workdir = Path(tempfile.mkdtemp(prefix="shareblk-libvirt."))
+        self.addCleanup(shutil.rmtree, workdir, ignore_errors=True)
+        libvirt = SessionLibvirt(workdir)
+        self.addCleanup(libvirt.stop)  # after the domain's destroy: cleanups run last first
+        libvirt.start()
+
+        # TCG, 64 MiB, no OS: the firmware finds nothing to boot and waits; the disk is
+        # Nova's element as it is.
+        domain = f"shareblk-{uuid.uuid4().hex[:8]}"
+        xml = ET.fromstring(
+            f"<domain type='qemu'><name>{domain}</name><memory unit='MiB'>64</memory>"
+            "<vcpu>1</vcpu><os><type arch='x86_64' machine='pc'>hvm</type></os>"
+            "<devices><emulator/></devices></domain>")
+        xml.find("devices/emulator").text = shutil.which(
+            "qemu-system-x86_64", path=libvirt.env["PATH"])
+        xml.find("devices").append(ET.fromstring(disk))
+        libvirt.create(domain, ET.tostring(xml, encoding="unicode"))
+        self.addCleanup(libvirt.virsh, "destroy", domain, check=False)
+
+        # The guest's disk: libvirt's -blockdev of it, read-only, attached to the virtio device.
+        blocks = libvirt.qmp(domain, "query-block")["return"]
+        self.assertEqual(len(blocks), 1, blocks)
+        self.assertTrue(blocks[0]["inserted"]["ro"], blocks)
+        self.assertEqual(blocks[0]["inserted"]["file"], f"nbd://{host}:{port}/{name}")
+        qdev = blocks[0]["qdev"]  # the device's BlockBackend: what the guest reads through
+
+        def served(connections=None):
+            """shareblkd's figures for B; first, for up to 10 s, until it has ``connections``
+            (the server counts one when it is done with the handshake: QEMU may be first)."""
+            deadline = time.monotonic() + 10
+            while True:
+                stats = self.control.call("stats", {
+                    "attachment_id": b["data"][shareblk_cinder.ATTACHMENT_KEY]})
+                stats = stats["attachments"][0]
+                if connections in (None, len(stats["connections"])) or \
+                        time.monotonic() > deadline:
+                    return stats
+                time.sleep(0.05)
+
+        # shareblkd serves B to QEMU, connected from 127.0.0.1.
+        stats = served(connections=1)
+        self.assertEqual(len(stats["connections"]), 1, stats)
+        self.assertTrue(stats["connections"][0]["peer"].startswith("tcp 127.0.0.1:"), stats)
+        read_before = stats["ops"]["read"]["bytes"]
+
+        def guest_qemu_io(command):
+            """qemu-io on the guest's disk, through the monitor: what it printed. QEMU 7.2
+            prints its findings to its stdout, the domain's log; its errors to the reply."""
+            before = len(libvirt.domain_log(domain))
+            out = libvirt.hmp(domain, f'qemu-io -d {qdev} "{command}"')
+            return out + libvirt.domain_log(domain)[before:].decode(errors="replace")
+
+        # QEMU reads the volume's bytes through the guest's disk. A wrong pattern fails: the
+        # check checks.
+        out = guest_qemu_io("read -P 0x5a 0 64k")
+        self.assertIn("read 65536/65536 bytes at offset 0", out)
+        self.assertNotIn("Pattern verification failed", out)
+        out = guest_qemu_io("read -P 0 0 4k")
+        self.assertIn("Pattern verification failed at offset 0, 4096 bytes", out)
+        stats = served()
+        self.assertGreaterEqual(stats["ops"]["read"]["bytes"] - read_before, 65536 + 4096)
+
+        # No write: QEMU refuses it on the read-only disk, and cannot reopen the NBD node
+        # read-write, for shareblk's handshake said the export is read-only.
+        self.assertIn("Block node is read-only", guest_qemu_io("write -P 0x11 0 4k"))
+        storage = [n for n in libvirt.qmp(domain, "query-named-block-nodes")["return"]
+                   if n["drv"] == "nbd"]
+        self.assertEqual(len(storage), 1, storage)
+        r = libvirt.qmp(domain, "blockdev-reopen", options=[{
+            "driver": "nbd", "node-name": storage[0]["node-name"], "read-only": False,
+            "server": {"type": "inet", "host": host, "port": port}, "export": name}])
+        self.assertIn("Can't reopen read-only NBD mount as read/write",
+                      r.get("error", {}).get("desc", ""), r)
+        stats = served()
+        self.assertEqual((stats["ops"]["write"]["requests"], stats["refused_writes"]), (0, 0))
+        out = guest_qemu_io("read -P 0x5a 0 64k")  # and the disk still reads
+        self.assertIn("read 65536/65536 bytes at offset 0", out)
+        self.assertNotIn("Pattern verification failed", out)
+
+        # Destroyed, the guest's QEMU is gone and so is its connection.
+        libvirt.virsh("destroy", domain)
+        self.assertFalse(any(alive(pid) for pid in libvirt.qemu_pids))
+        self.assertEqual(served(connections=0)["connections"], [])
+        self.driver.terminate_connection(volume, b_connector)
+        self.driver.delete_volume(volume)
+
     def nova_disk(self, info, multiattach):
         """The disk XML Nova's patched libvirt driver makes of a Cinder connection_info, from
         a copy of the installed nova package with openstack/nova's patch applied."""
@@ -571,7 +799,6 @@ class OpenStackTest(unittest.TestCase):
 
     @staticmethod
     def source_of(xml):
-        import xml.etree.ElementTree as ET
         source = ET.fromstring(xml).find("source")
         host = source.find("host")
         return host.get("name"), host.get("port"), source.get("name")
