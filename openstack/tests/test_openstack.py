@@ -187,6 +187,18 @@ def libnbd_write(uri):
 LIBVIRT_USER = "nobody"
 
 
+def stop_by_pid(process):
+    """Stops a daemon the test started, by its pid: SIGTERM, SIGKILL after 20 s."""
+    if process.poll() is not None:
+        return
+    process.send_signal(signal.SIGTERM)
+    try:
+        process.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
 def libvirt_missing():
     """Why a libvirt of the test's own cannot start a guest here, or None."""
     path = os.environ.get("PATH", "") + ":/usr/sbin:/usr/bin"
@@ -277,13 +289,8 @@ class SessionLibvirt:
 
     def stop(self):
         """Stops libvirtd by its pid, then kills any QEMU of ours it left running."""
-        if self.process is not None and self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        if self.process is not None:
+            stop_by_pid(self.process)
         for pid in self.qemu_pids:
             if alive(pid):
                 os.kill(pid, signal.SIGKILL)
@@ -328,11 +335,7 @@ class OpenStackTest(unittest.TestCase):
 
     @classmethod
     def tearDownClass(cls):
-        cls.daemon.send_signal(signal.SIGTERM)
-        try:
-            cls.daemon.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            cls.daemon.kill()
+        stop_by_pid(cls.daemon)
         cls.log.close()
         shutil.rmtree(cls.tmp, ignore_errors=True)
 
