@@ -107,7 +107,7 @@ Json Service::attachment_create(const AttachmentSpec& spec) {
   const VolumeLock lock = volumes_.lock(spec.volume_id);
   Database::Transaction tx(db_);
   VolumeRow v = find_volume(tx, spec.volume_id);
-  refuse_unusable(tx, v);
+  refuse_unusable(tx, v, "attached");
   std::vector<AttachmentRow> current;
   for (auto& other : tx.attachments(spec.volume_id)) {
     if (is_live(other.attach_status)) current.push_back(std::move(other));
@@ -178,7 +178,7 @@ Json Service::attachment_update(const std::string& id, const Json* connector_par
   Database::Transaction tx(db_);
   AttachmentRow a = find_attachment(tx, id);
   VolumeRow v = find_volume(tx, volume_id);
-  refuse_unusable(tx, v);
+  refuse_unusable(tx, v, "attached");
   // A reservation without a host takes the connector's (see connect()): that host must not
   // make it a duplicate, which attachment_create could not see yet.
   if (next_status(a.attach_status, AttachEvent::Connect) && a.attached_host.empty() &&

@@ -216,6 +216,11 @@ AttachmentRow attachment_from(const Statement& s) {
 }
 
 constexpr const char* kIntentColumns = "volume_id, action, error, created_at";
+constexpr const char* kSnapshotColumns = "id, volume_id, name, size, created_at";
+
+SnapshotRow snapshot_from(const Statement& s) {
+  return {s.text(0), s.text(1), s.text(2), static_cast<uint64_t>(s.integer(3)), s.text(4)};
+}
 
 IntentRow intent_from(const Statement& s) {
   // The CHECK constraint admits only the two names.
@@ -546,32 +551,29 @@ void Database::Transaction::update_attachment(const AttachmentRow& a) {
 }
 
 std::vector<SnapshotRow> Database::Transaction::snapshots(const std::string& volume_id) {
-  std::string sql = "SELECT id, volume_id, name, size, created_at FROM volume_snapshot";
+  std::string sql = std::string("SELECT ") + kSnapshotColumns + " FROM volume_snapshot";
   if (!volume_id.empty()) sql += " WHERE volume_id = ?";
   sql += " ORDER BY created_at, id";
   Statement s(live(), sql.c_str());
   if (!volume_id.empty()) s.bind(1, volume_id);
   std::vector<SnapshotRow> rows;
-  while (s.step()) {
-    rows.push_back(
-        {s.text(0), s.text(1), s.text(2), static_cast<uint64_t>(s.integer(3)), s.text(4)});
-  }
+  while (s.step()) rows.push_back(snapshot_from(s));
   return rows;
 }
 
 std::optional<SnapshotRow> Database::Transaction::snapshot(const std::string& id) {
-  Statement s(live(),
-              "SELECT id, volume_id, name, size, created_at FROM volume_snapshot WHERE id = ?");
+  Statement s(
+      live(),
+      (std::string("SELECT ") + kSnapshotColumns + " FROM volume_snapshot WHERE id = ?").c_str());
   s.bind(1, id);
   if (!s.step()) return std::nullopt;
-  return SnapshotRow{s.text(0), s.text(1), s.text(2), static_cast<uint64_t>(s.integer(3)),
-                     s.text(4)};
+  return snapshot_from(s);
 }
 
 void Database::Transaction::insert_snapshot(const SnapshotRow& r) {
-  Statement s(live(),
-              "INSERT INTO volume_snapshot (id, volume_id, name, size, created_at) "
-              "VALUES (?, ?, ?, ?, ?)");
+  Statement s(live(), (std::string("INSERT INTO volume_snapshot (") + kSnapshotColumns +
+                       ") VALUES (?, ?, ?, ?, ?)")
+                          .c_str());
   s.bind(1, r.id).bind(2, r.volume_id).bind(3, r.name).bind(4, static_cast<int64_t>(r.size));
   s.bind(5, r.created_at);
   s.step();

@@ -245,19 +245,21 @@ std::optional<std::string> Service::error_of(const std::optional<IntentRow>& int
   return volumes_.missing(volume_id);
 }
 
-void Service::refuse_unusable(Database::Transaction& tx, const VolumeRow& v) {
-  const std::optional<IntentRow> intent = tx.intent(v.id);
+void Service::refuse_unusable(Database::Transaction& tx, const char* what, const std::string& id,
+                              uint64_t size, const char* use) {
+  const std::string refused = std::string(what) + " " + id + " cannot be " + use + ": ";
+  const std::optional<IntentRow> intent = tx.intent(id);
   std::optional<std::string> why;
   if (intent) {
-    why = error_of(intent, v.id);
+    why = error_of(intent, id);
     if (!why) {
       throw ApiError("volume_busy",
-                     "volume " + v.id + " cannot be attached: it is being " +
+                     refused + "it is being " +
                          (intent->action == IntentAction::Delete ? "deleted" : "filled"));
     }
   }
-  if (!why) why = volumes_.check(v.id, v.size);  // afresh in the store
-  if (why) throw ApiError("volume_error", "volume " + v.id + " cannot be attached: " + *why);
+  if (!why) why = volumes_.check(id, size);  // afresh in the store
+  if (why) throw ApiError("volume_error", refused + *why);
 }
 
 // The volume an attachment belongs to, looked up before taking that volume's lock.

@@ -179,15 +179,28 @@ class Service {
   // deleting it meanwhile is volume_busy.
   std::shared_ptr<void> read_by_copy(const std::string& id);
   bool is_copy_source(const std::string& id);
+  // A volume about to be copied: read_by_copy() and quiesce() together; under its lock.
+  std::shared_ptr<void> hold_for_copy(const std::string& volume_id,
+                                      const std::vector<AttachmentRow>& attachments);
+  // The job that copies the first `length` bytes of `from` into new backing `to` of `size`
+  // bytes, letting go of `held` (the source's hold) as soon as the copy ends, before the
+  // database is written.
+  Populate copy_job(const std::string& from, uint64_t length, const std::string& to, uint64_t size,
+                    std::shared_ptr<void> held);
   // Refuses (volume_busy) a change to a volume that a delete or a fill is under way on.
   void refuse_busy(Database::Transaction& tx, const VolumeRow& v, const char* what);
   // service.cc
   void reconcile();
   void finish_intents();
-  // Refuses to attach a volume that is being deleted or filled (volume_busy), or whose
-  // status is error (volume_error): a delete or fill of it failed, or its backing is missing
-  // (looked for afresh in the store).
-  void refuse_unusable(Database::Transaction& tx, const VolumeRow& v);
+  // Refuses to `use` ("attached", "copied") the volume or snapshot `id` of `size` bytes
+  // (`what`: "volume" or "snapshot") while it is being deleted or filled (volume_busy), or
+  // when its status is error (volume_error): a delete or fill of it failed, or its backing is
+  // missing (looked for afresh in the store).
+  void refuse_unusable(Database::Transaction& tx, const char* what, const std::string& id,
+                       uint64_t size, const char* use);
+  void refuse_unusable(Database::Transaction& tx, const VolumeRow& v, const char* use) {
+    refuse_unusable(tx, "volume", v.id, v.size, use);
+  }
   // Why the volume's status is error, or nullopt; `intent` is the volume's, if it has one. A
   // volume with an intent and no error is being deleted or created (filled from an image).
   std::optional<std::string> error_of(const std::optional<IntentRow>& intent,

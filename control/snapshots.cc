@@ -77,6 +77,24 @@ bool Service::is_copy_source(const std::string& id) {
   return copy_sources_.count(id) != 0;
 }
 
+std::shared_ptr<void> Service::hold_for_copy(const std::string& volume_id,
+                                             const std::vector<AttachmentRow>& attachments) {
+  std::shared_ptr<void> source = read_by_copy(volume_id);
+  return std::make_shared<std::pair<std::shared_ptr<void>, std::shared_ptr<void>>>(
+      std::move(source), quiesce(volume_id, attachments));
+}
+
+Service::Populate Service::copy_job(const std::string& from, uint64_t length, const std::string& to,
+                                    uint64_t size, std::shared_ptr<void> held) {
+  return [this, from, length, to, size, held = std::move(held)](const lvm::Progress& p) mutable {
+    struct Release {
+      std::shared_ptr<void>& held;
+      ~Release() { held.reset(); }
+    } release{held};
+    volumes_.copy(from, length, to, size, p);
+  };
+}
+
 // The intent and the row go in one transaction before the store is touched; the copy holds the
 // intent until it is whole (status "creating"), so a crash at any point leaves a snapshot that
 // the next start rolls back, never one that looks whole and is not.
@@ -89,14 +107,13 @@ Json Service::snapshot_create(const std::string& volume_id, const std::string& n
     {
       Database::Transaction tx(db_);
       const VolumeRow v = find_volume(tx, volume_id);
-      refuse_unusable(tx, v);
+      refuse_unusable(tx, v, "snapshotted");
       s.size = v.size;
       attachments = tx.attachments(v.id);
     }
     // Outside the transaction: the pause waits for the writes in flight, and other volumes'
     // calls need the database meanwhile.
-    held = std::make_shared<std::pair<std::shared_ptr<void>, std::shared_ptr<void>>>(
-        read_by_copy(volume_id), quiesce(volume_id, attachments));
+    held = hold_for_copy(volume_id, attachments);
     Database::Transaction tx(db_);
     tx.put_intent({s.id, IntentAction::Create, "", s.created_at});
     tx.insert_snapshot(s);
@@ -106,13 +123,7 @@ Json Service::snapshot_create(const std::string& volume_id, const std::string& n
   spdlog::info("control: snapshot {} ({}) of volume {}: copying {} bytes", s.id, printable(s.name),
                volume_id, s.size);
   start_populate(s.id, s.created_at, "volume " + volume_id,
-                 [this, s, held = std::move(held)](const lvm::Progress& p) mutable {
-                   struct Release {
-                     std::shared_ptr<void>& held;
-                     ~Release() { held.reset(); }
-                   } release{held};
-                   volumes_.copy(s.volume_id, s.size, s.id, s.size, p);
-                 });
+                 copy_job(volume_id, s.size, s.id, s.size, std::move(held)));
   Database::Transaction tx(db_);
   return snapshot_json(s, tx.intent(s.id));
 }

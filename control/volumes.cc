@@ -51,29 +51,19 @@ Json Service::volume_create(const VolumeSpec& spec) {
     Database::Transaction tx(db_);
     const std::optional<SnapshotRow> snap = tx.snapshot(spec.from_snapshot);
     if (!snap) throw ApiError("not_found", "no snapshot " + spec.from_snapshot);
-    const std::optional<IntentRow> intent = tx.intent(snap->id);
-    if (std::optional<std::string> why = error_of(intent, snap->id)) {
-      throw ApiError("volume_error", "snapshot " + snap->id + " cannot be copied: " + *why);
-    }
-    if (intent) {
-      throw ApiError("volume_busy",
-                     "snapshot " + snap->id + " is being " +
-                         (intent->action == IntentAction::Delete ? "deleted" : "created"));
-    }
+    refuse_unusable(tx, "snapshot", snap->id, snap->size, "copied");
     source_size = snap->size;
   } else if (!spec.from_volume.empty()) {
     const VolumeLock lock = volumes_.lock(spec.from_volume);
-    held = read_by_copy(spec.from_volume);
     std::vector<AttachmentRow> attachments;
     {
       Database::Transaction tx(db_);
       const VolumeRow source = find_volume(tx, spec.from_volume);
-      refuse_unusable(tx, source);
+      refuse_unusable(tx, source, "copied");
       source_size = source.size;
       attachments = tx.attachments(source.id);
     }
-    held = std::make_shared<std::pair<std::shared_ptr<void>, std::shared_ptr<void>>>(
-        std::move(held), quiesce(spec.from_volume, attachments));
+    held = hold_for_copy(spec.from_volume, attachments);
   }
   const uint64_t size = spec.size == 0 ? source_size : spec.size;
   if (size < source_size) {
@@ -96,14 +86,7 @@ Json Service::volume_create(const VolumeSpec& spec) {
     const bool snapshot = !spec.from_snapshot.empty();
     const std::string from = snapshot ? spec.from_snapshot : spec.from_volume;
     what = (snapshot ? "snapshot " : "volume ") + from;
-    work = [this, id = v.id, from, source_size, size,
-            held = std::move(held)](const lvm::Progress& p) mutable {
-      struct Release {  // writes go on as soon as the copy ends, before the database is written
-        std::shared_ptr<void>& held;
-        ~Release() { held.reset(); }
-      } release{held};
-      volumes_.copy(from, source_size, id, size, p);
-    };
+    work = copy_job(from, source_size, v.id, size, std::move(held));
   }
   {
     Database::Transaction tx(db_);

@@ -16,11 +16,6 @@ namespace {
 constexpr uint64_t kChunk = 1 << 20;
 constexpr uint64_t kBlock = 64 << 10;  // what is skipped when it reads as zeroes
 
-StoreError failure(int err, const std::string& what) {
-  return {std::error_code(err, std::generic_category()),
-          what + ": " + std::generic_category().message(err)};
-}
-
 bool all_zero(const char* p, size_t n) {
   return n == 0 || (p[0] == 0 && std::memcmp(p, p + 1, n - 1) == 0);
 }
@@ -63,10 +58,11 @@ StoreError copy_volume(const backend::Volume& from, const backend::Volume& to, u
   // cache, and leaves none of the volume's bytes there.
   std::unique_ptr<char, decltype(&std::free)> buf(
       static_cast<char*>(std::aligned_alloc(4096, kChunk)), &std::free);
-  if (!buf) return failure(ENOMEM, "copy buffer");
+  if (!buf) return StoreError::from_errno(ENOMEM, "copy buffer");
   uint64_t offset = 0;
   while (offset < length) {
-    if (progress && !progress(offset, length)) return failure(ECANCELED, "copy stopped");
+    if (progress && !progress(offset, length))
+      return StoreError::from_errno(ECANCELED, "copy stopped");
     const uint64_t data = next_data(from, offset, length);
     if (data != offset) {             // a hole: the new backing reads zeroes there already
       offset = data & ~(kChunk - 1);  // still whole chunks: `offset` was one's start
@@ -74,28 +70,26 @@ StoreError copy_volume(const backend::Volume& from, const backend::Volume& to, u
     }
     const uint64_t n = std::min(kChunk, length - offset);
     if (int err = transfer(from, false, buf.get(), n, offset)) {
-      return failure(err, "read " + from.path());
+      return StoreError::from_errno(err, "read " + from.path());
     }
     // Runs of non-zero blocks only, so that zeroes inside a chunk stay unallocated too.
-    for (uint64_t at = 0; at < n;) {
-      const uint64_t block = std::min(kBlock, n - at);
-      if (all_zero(buf.get() + at, block)) {
-        at += block;
-        continue;
+    const auto zero_block = [&](uint64_t at) {
+      return all_zero(buf.get() + at, std::min(kBlock, n - at));
+    };
+    for (uint64_t at = 0, end = 0; at < n; at = end) {
+      const bool zero = zero_block(at);
+      end = at + std::min(kBlock, n - at);
+      while (end < n && zero_block(end) == zero) end += std::min(kBlock, n - end);
+      if (zero) continue;
+      if (int err = transfer(to, true, buf.get() + at, end - at, offset + at)) {
+        return StoreError::from_errno(err, "write " + to.path());
       }
-      uint64_t run = block;
-      while (at + run < n && !all_zero(buf.get() + at + run, std::min(kBlock, n - at - run))) {
-        run += std::min(kBlock, n - at - run);
-      }
-      if (int err = transfer(to, true, buf.get() + at, run, offset + at)) {
-        return failure(err, "write " + to.path());
-      }
-      at += run;
     }
     offset += n;
   }
   for (size_t i = 0; i < to.device_count(); ++i) {
-    if (::fdatasync(to.device_fd(i)) != 0) return failure(errno, "sync " + to.path());
+    if (::fdatasync(to.device_fd(i)) != 0)
+      return StoreError::from_errno(errno, "sync " + to.path());
   }
   if (progress) progress(length, length);
   return {};

@@ -15,11 +15,6 @@ namespace {
 
 namespace fs = std::filesystem;
 
-StoreError from_errno(int err, const std::string& what) {
-  return {std::error_code(err, std::generic_category()),
-          what + ": " + std::generic_category().message(err)};
-}
-
 class FileVolumeStore final : public VolumeStore {
  public:
   FileVolumeStore(fs::path dir, bool preallocate)
@@ -30,13 +25,13 @@ class FileVolumeStore final : public VolumeStore {
   StoreError create(const std::string& id, uint64_t size) override {
     const std::string path = path_of(id);
     int fd = ::open(path.c_str(), O_CREAT | O_EXCL | O_WRONLY | O_CLOEXEC, 0600);
-    if (fd < 0) return from_errno(errno, "create " + path);
+    if (fd < 0) return StoreError::from_errno(errno, "create " + path);
     int err = grow(fd, 0, size);
     if (err == 0 && ::fsync(fd) != 0) err = errno;
     ::close(fd);
     if (err != 0) {
       ::unlink(path.c_str());
-      return from_errno(err, "allocate " + std::to_string(size) + " bytes for " + path);
+      return StoreError::from_errno(err, "allocate " + std::to_string(size) + " bytes for " + path);
     }
     return {};
   }
@@ -44,7 +39,7 @@ class FileVolumeStore final : public VolumeStore {
   StoreError extend(const std::string& id, uint64_t size) override {
     const std::string path = path_of(id);
     int fd = ::open(path.c_str(), O_WRONLY | O_CLOEXEC);
-    if (fd < 0) return from_errno(errno, "open " + path);
+    if (fd < 0) return StoreError::from_errno(errno, "open " + path);
     struct stat st {};
     int err = ::fstat(fd, &st) == 0 ? 0 : errno;
     if (err == 0 && static_cast<uint64_t>(st.st_size) < size) {
@@ -52,13 +47,14 @@ class FileVolumeStore final : public VolumeStore {
     }
     if (err == 0 && ::fsync(fd) != 0) err = errno;
     ::close(fd);
-    return err ? from_errno(err, "extend " + path) : StoreError{};
+    return err ? StoreError::from_errno(err, "extend " + path) : StoreError{};
   }
 
   // Unlinking is enough: a new file reads zeroes wherever it was not written.
   StoreError remove(const std::string& id, const Progress& progress) override {
     const std::string path = path_of(id);
-    if (::unlink(path.c_str()) != 0 && errno != ENOENT) return from_errno(errno, "remove " + path);
+    if (::unlink(path.c_str()) != 0 && errno != ENOENT)
+      return StoreError::from_errno(errno, "remove " + path);
     if (progress) progress(1, 1);
     return {};
   }
@@ -72,23 +68,24 @@ class FileVolumeStore final : public VolumeStore {
   }
 
   StoreError refresh(const std::string& id, uint64_t /*size*/, backend::Volume& volume) override {
-    if (int err = volume.refresh_size()) return from_errno(err, "refresh " + path_of(id));
+    if (int err = volume.refresh_size())
+      return StoreError::from_errno(err, "refresh " + path_of(id));
     return {};
   }
 
   // FICLONE (XFS with reflink, btrfs). Not with --preallocate: shared blocks need new space when
   // either side writes them, which is what preallocation promises never to need.
   StoreError clone(const std::string& from, const std::string& to, uint64_t size) override {
-    if (preallocate_) return from_errno(ENOTSUP, "clone (the store preallocates)");
+    if (preallocate_) return StoreError::from_errno(ENOTSUP, "clone (the store preallocates)");
     const std::string source = path_of(from);
     const std::string path = path_of(to);
     const int in = ::open(source.c_str(), O_RDONLY | O_CLOEXEC);
-    if (in < 0) return from_errno(errno, "open " + source);
+    if (in < 0) return StoreError::from_errno(errno, "open " + source);
     const int fd = ::open(path.c_str(), O_CREAT | O_EXCL | O_WRONLY | O_CLOEXEC, 0600);
     if (fd < 0) {
       const int err = errno;
       ::close(in);
-      return from_errno(err, "create " + path);
+      return StoreError::from_errno(err, "create " + path);
     }
     int err = ::ioctl(fd, FICLONE, in) == 0 ? 0 : errno;
     ::close(in);
@@ -103,7 +100,7 @@ class FileVolumeStore final : public VolumeStore {
     ::close(fd);
     if (err != 0) {
       ::unlink(path.c_str());
-      return from_errno(err, "clone " + source + " to " + path);
+      return StoreError::from_errno(err, "clone " + source + " to " + path);
     }
     return {};
   }
@@ -138,7 +135,7 @@ class FileVolumeStore final : public VolumeStore {
 
 StoreError VolumeStore::clone(const std::string& /*from*/, const std::string& /*to*/,
                               uint64_t /*size*/) {
-  return from_errno(ENOTSUP, "clone");
+  return StoreError::from_errno(ENOTSUP, "clone");
 }
 
 std::unique_ptr<VolumeStore> make_file_store(const std::string& dir, bool preallocate,

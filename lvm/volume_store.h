@@ -21,6 +21,11 @@ struct StoreError {
   std::error_code code;
   std::string message;
   explicit operator bool() const { return static_cast<bool>(code); }
+  // `err`, said as "what: strerror".
+  static StoreError from_errno(int err, const std::string& what) {
+    return {std::error_code(err, std::generic_category()),
+            what + ": " + std::generic_category().message(err)};
+  }
 };
 
 // Told how far a long operation has come: `done` of `total` bytes. Returns false to stop it

@@ -139,13 +139,14 @@ class ShareblkDriver(driver.VolumeDriver):
 
     # --- volumes ---
 
-    def _shareblk_id(self, volume):
-        """The shareblk volume of a Cinder volume: its provider_id, else found by name."""
-        if volume.provider_id:
-            return volume.provider_id
-        for v in self._call("volume_list"):
-            if v["name"] == volume.name:
-                return v["id"]
+    def _shareblk_id(self, cinder_object, list_method="volume_list"):
+        """The shareblk volume (snapshot, with ``snapshot_list``) of a Cinder one: its
+        provider_id, else found by name."""
+        if cinder_object.provider_id:
+            return cinder_object.provider_id
+        for found in self._call(list_method):
+            if found["name"] == cinder_object.name:
+                return found["id"]
         return None
 
     def create_volume(self, volume, **source):
@@ -269,14 +270,6 @@ class ShareblkDriver(driver.VolumeDriver):
 
     # --- snapshots and clones (docs/snapshots.md) ---
 
-    def _shareblk_snapshot_id(self, snapshot):
-        if snapshot.provider_id:
-            return snapshot.provider_id
-        for s in self._call("snapshot_list"):
-            if s["name"] == snapshot.name:
-                return s["id"]
-        return None
-
     def create_snapshot(self, snapshot):
         """Crash-consistent even while the volume is attached and written: shareblkd holds its
         writes at the target (they wait, never fail) until the snapshot is taken."""
@@ -286,7 +279,7 @@ class ShareblkDriver(driver.VolumeDriver):
         return {"provider_id": s["id"]}
 
     def delete_snapshot(self, snapshot):
-        snapshot_id = self._shareblk_snapshot_id(snapshot)
+        snapshot_id = self._shareblk_id(snapshot, "snapshot_list")
         if snapshot_id is None:
             LOG.info("shareblk snapshot of %s is gone already", snapshot.id)
             return
@@ -294,7 +287,7 @@ class ShareblkDriver(driver.VolumeDriver):
                    ok_reasons=("not_found",))
 
     def create_volume_from_snapshot(self, volume, snapshot):
-        return self.create_volume(volume, from_snapshot=self._shareblk_snapshot_id(snapshot))
+        return self.create_volume(volume, from_snapshot=self._shareblk_id(snapshot, "snapshot_list"))
 
     def create_cloned_volume(self, volume, src_vref):
         return self.create_volume(volume, from_volume=self._shareblk_id(src_vref))
