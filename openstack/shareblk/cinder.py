@@ -287,7 +287,8 @@ class ShareblkDriver(driver.VolumeDriver):
                    ok_reasons=("not_found",))
 
     def create_volume_from_snapshot(self, volume, snapshot):
-        return self.create_volume(volume, from_snapshot=self._shareblk_id(snapshot, "snapshot_list"))
+        return self.create_volume(volume,
+                                  from_snapshot=self._shareblk_id(snapshot, "snapshot_list"))
 
     def create_cloned_volume(self, volume, src_vref):
         return self.create_volume(volume, from_volume=self._shareblk_id(src_vref))
