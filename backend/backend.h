@@ -34,6 +34,8 @@ struct msghdr;
 
 namespace shareblk::backend {
 
+class RemoteImage;
+
 enum class AttachMode : uint8_t { ReadWrite, ReadOnly };
 
 enum class Op : uint8_t { Read, Write, Flush, Trim, WriteZeroes, Cache };
@@ -59,15 +61,19 @@ struct MappedSegment {
   uint64_t length = 0;
 };
 
-// An open volume: a regular file or a block device, or a map of segments on block devices.
-// Shared by every connection to it. Thread-safe: members are immutable after open, atomic, or
-// (segments) only ever appended to, published by a release store of their count.
+// An open volume: a regular file or a block device, a map of segments on block devices, or an
+// image in a remote store (RemoteImage). Shared by every connection to it. Thread-safe: members are
+// immutable after open, atomic, or (segments) only ever appended to, published by a release store
+// of their count.
 class Volume {
  public:
   static std::shared_ptr<Volume> open(const std::string& path, std::error_code& ec,
                                       OpenOptions options = {});
   static std::shared_ptr<Volume> open_mapped(const std::vector<MappedSegment>& segments,
                                              std::error_code& ec, OpenOptions options = {});
+  // The first `size` bytes of `image`, known by `name` in logs ("rbd:POOL/IMAGE").
+  static std::shared_ptr<Volume> open_remote(std::shared_ptr<RemoteImage> image,
+                                             const std::string& name, uint64_t size);
   ~Volume();
   Volume(const Volume&) = delete;
   Volume& operator=(const Volume&) = delete;
@@ -87,7 +93,15 @@ class Volume {
   // Offsets, lengths and buffer addresses that O_DIRECT accepts are multiples of this.
   uint32_t direct_alignment() const { return direct_align_; }
 
-  // Re-reads the size of a file or block device after it grew (volume_extend). Returns errno.
+  // The remote image the bytes live in, or nullptr for files and devices.
+  const std::shared_ptr<RemoteImage>& remote() const { return remote_; }
+  // A remote volume's completions are reaped on one ring (see RemoteImage), so every
+  // connection to it runs on one worker: the first to ask proposes `worker` and it stays the
+  // volume's. Returns the volume's worker. Files and devices have none: returns `worker`.
+  unsigned home_worker(unsigned worker);
+
+  // Re-reads the size of a file, block device or remote image after it grew (volume_extend).
+  // Returns errno.
   int refresh_size();
   // Grows a mapped volume: `segments` is the whole new map, which must begin with the current
   // one (the last current segment may have grown). Returns errno (EINVAL if it does not).
@@ -109,7 +123,7 @@ class Volume {
   }
 
   // Where the bytes are, for another process to open the same volume: the segments of a map,
-  // or the one file or device from offset 0.
+  // or the one file or device from offset 0; nothing for a remote image.
   std::vector<MappedSegment> layout() const;
 
   // The devices a flush must sync: one for a file or block device, each PV for a map.
@@ -154,6 +168,8 @@ class Volume {
   std::atomic<size_t> device_count_{0};
   std::array<Segment, kMaxSegments> segments_;  // mapped volumes only
   std::atomic<size_t> segment_count_{0};
+  std::shared_ptr<RemoteImage> remote_;
+  std::atomic<int> home_worker_{-1};
 };
 
 // Whether one attachment may change the volume now (docs/fencing.md). Shared by every Handle of
@@ -257,6 +273,8 @@ inline Capabilities capabilities(const Volume& volume, AttachMode mode) {
   c.multi_conn = true;
   c.block_status = true;  // SEEK_DATA/SEEK_HOLE on files; a device is all data
   c.cache = true;         // posix_fadvise(WILLNEED)
+  // A remote image says the same (RemoteImage): its store acknowledges a write once it is
+  // durable, so FUA and a flush on any connection hold as they do for a file.
   return c;
 }
 
@@ -264,6 +282,47 @@ inline Capabilities capabilities(const Volume& volume, AttachMode mode) {
 struct Extent {
   uint64_t length;
   bool hole;  // unallocated, reads as zeroes
+};
+
+// A volume whose bytes live behind an asynchronous client library rather than in files: an
+// RBD image through librbd (rbd/rbd_store.h). Its requests are not system calls: the io_uring
+// engine start()s each as one library call, learns that some have ended when event_fd() is
+// readable (it keeps a read of it on its ring), and poll()s them on its own thread, so the
+// library's threads never run our code and a completion is handled by the thread that owns the
+// connection. That is why a remote volume's connections share one ring (Volume::home_worker).
+// The synchronous engine (FUSE) calls execute() instead. Thread-safe.
+// Write access, admission and pauses stay the engines' (dispatch.h begin/end), as for files.
+class RemoteImage {
+ public:
+  virtual ~RemoteImage() = default;
+
+  // Starts an admitted request of `length` bytes at `offset` (`buf`: Read, Write). Its result
+  // comes from a later poll(), with `tag`. Returns 0, or an errno when it did not start (and
+  // poll() will not report it). The store acknowledges a write once it is durable, so kFua
+  // needs nothing more; Cache is a hint that does nothing.
+  virtual int start(Op op, uint32_t flags, uint64_t offset, uint64_t length, char* buf,
+                    void* tag) = 0;
+  struct Completed {
+    void* tag;
+    int err;  // 0 or a positive errno
+  };
+  // Up to `max` of the started requests that have ended; the caller's thread only.
+  virtual size_t poll(Completed* out, size_t max) = 0;
+  // An eventfd counting ended requests, read by the ring that poll()s them.
+  virtual int event_fd() const = 0;
+  // The volume is gone: the reader of event_fd() is woken, sees orphaned(), and lets go.
+  virtual void orphan() = 0;
+  virtual bool orphaned() const = 0;
+
+  // Runs an admitted request on this thread, waiting for its end. Returns errno.
+  virtual int execute(Op op, uint32_t flags, uint64_t offset, uint64_t length, char* buf) = 0;
+  // Allocation of [offset, offset+length), as Handle::extents describes it.
+  virtual int extents(uint64_t offset, uint64_t length, size_t max_extents,
+                      std::vector<Extent>& out) = 0;
+  // The image's size as the store has it now (after volume_extend). Returns errno.
+  virtual int size(uint64_t& out) = 0;
+  // False when the image can only be read.
+  virtual bool writable() const = 0;
 };
 
 // A volume as one attachment sees it. Cheap to copy; every frontend request goes through it.
@@ -408,7 +467,15 @@ class Ring {
   friend class IoRequest;
   struct io_uring_sqe* next_sqe();
   void start(IoRequest* request);
+  // A remote volume's request: one library call; its end comes through the image's eventfd.
+  void start_remote(IoRequest* request);
+  void finish_remote(IoRequest* request, int err);
+  class RemoteReaper;
+  // Keeps a read of `image`'s eventfd on this ring; false when it cannot (then EIO).
+  bool reap(const std::shared_ptr<RemoteImage>& image);
+  void drop_reaper(const RemoteReaper* reaper);
   std::unique_ptr<io_uring> ring_;
+  std::vector<std::unique_ptr<RemoteReaper>> reapers_;
   std::vector<int> free_buffer_slots_;  // empty when the kernel has no table for us
 };
 

@@ -7,6 +7,8 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <iterator>
+#include <memory>
 
 #include "backend/backend.h"
 #include "backend/dispatch.h"
@@ -20,6 +22,37 @@ namespace {
 constexpr unsigned kBufferSlots = 4096;
 
 }  // namespace
+
+// Reads a remote image's eventfd on the ring and hands what ended to its requests, on the
+// ring's thread (RemoteImage). Lets the image go once its volume is gone.
+class Ring::RemoteReaper final : public Completion {
+ public:
+  RemoteReaper(Ring& ring, std::shared_ptr<RemoteImage> image)
+      : ring_(ring), image_(std::move(image)) {}
+  const RemoteImage* image() const { return image_.get(); }
+  void arm() { ring_.read(image_->event_fd(), &count_, sizeof count_, this); }
+
+  void complete(int res) override {
+    // Poll whatever the read says, even a failed one: the count only wakes us.
+    RemoteImage::Completed done[64];
+    size_t n = 0;
+    while ((n = image_->poll(done, std::size(done))) > 0) {
+      for (size_t i = 0; i < n; ++i) {
+        ring_.finish_remote(static_cast<IoRequest*>(done[i].tag), done[i].err);
+      }
+    }
+    if (image_->orphaned() || (res < 0 && res != -EAGAIN && res != -EINTR)) {
+      ring_.drop_reaper(this);  // deletes this
+      return;
+    }
+    arm();
+  }
+
+ private:
+  Ring& ring_;
+  std::shared_ptr<RemoteImage> image_;
+  uint64_t count_ = 0;
+};
 
 Ring::Ring(unsigned entries, std::error_code& ec) : ring_(std::make_unique<io_uring>()) {
   // Newest flags first: one submitting thread, completions run when we wait (fewer
@@ -70,7 +103,8 @@ void Ring::unregister_buffer(int index) {
 }
 
 Ring::~Ring() {
-  if (ring_) io_uring_queue_exit(ring_.get());
+  if (ring_) io_uring_queue_exit(ring_.get());  // cancels the reapers' reads
+  reapers_.clear();
 }
 
 io_uring_sqe* Ring::next_sqe() {
@@ -138,7 +172,39 @@ void Ring::submit(const Handle& handle, IoRequest* request) {
   }
   request->ring_ = this;
   request->handle_ = &handle;
-  start(request);
+  if (handle.volume()->remote()) {
+    start_remote(request);
+  } else {
+    start(request);
+  }
+}
+
+bool Ring::reap(const std::shared_ptr<RemoteImage>& image) {
+  for (const auto& r : reapers_) {
+    if (r->image() == image.get()) return true;
+  }
+  if (image->orphaned()) return false;
+  reapers_.push_back(std::make_unique<RemoteReaper>(*this, image));
+  reapers_.back()->arm();
+  return true;
+}
+
+void Ring::drop_reaper(const RemoteReaper* reaper) {
+  auto it = std::find_if(reapers_.begin(), reapers_.end(),
+                         [reaper](const auto& r) { return r.get() == reaper; });
+  if (it != reapers_.end()) reapers_.erase(it);
+}
+
+void Ring::start_remote(IoRequest* r) {
+  const std::shared_ptr<RemoteImage>& image = r->handle_->volume()->remote();
+  int err = reap(image) ? 0 : EIO;
+  if (err == 0) err = image->start(r->op, r->flags, r->offset, r->length, r->buf, r);
+  if (err != 0) finish_remote(r, err);
+}
+
+void Ring::finish_remote(IoRequest* r, int err) {
+  end(*r->handle_, work_of(*r));
+  r->done(err);
 }
 
 // Queues the next step of `r` (dispatch.h says which).

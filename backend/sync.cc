@@ -89,6 +89,11 @@ int Handle::execute(Op op, void* buf, uint64_t length, uint64_t offset, uint32_t
   }
   if (started != kMoreSteps) return started;
   Volume& volume = *volume_;
+  if (volume.remote()) {
+    const int err = volume.remote()->execute(op, flags, offset, length, static_cast<char*>(buf));
+    end(*this, work);
+    return err;
+  }
   char* bounce =
       (op == Op::Read || op == Op::Write) ? bounce_for(volume, buf, length, offset) : nullptr;
   int err = 0;

@@ -180,7 +180,28 @@ int Volume::remap(const std::vector<MappedSegment>& segments) {
   return 0;
 }
 
+std::shared_ptr<Volume> Volume::open_remote(std::shared_ptr<RemoteImage> image,
+                                            const std::string& name, uint64_t size) {
+  std::shared_ptr<Volume> v(new Volume());
+  v->path_ = name;
+  v->writable_ = image->writable();
+  v->may_have_holes_ = false;  // reads never scan for holes: extents() asks the store
+  v->size_ = size;
+  v->remote_ = std::move(image);
+  return v;
+}
+
+unsigned Volume::home_worker(unsigned worker) {
+  if (!remote_) return worker;
+  int home = -1;
+  if (home_worker_.compare_exchange_strong(home, static_cast<int>(worker))) return worker;
+  return static_cast<unsigned>(home);
+}
+
 Volume::~Volume() {
+  // No request is left (each holds the volume through its Handle): the ring reading the
+  // image's eventfd may let it go.
+  if (remote_) remote_->orphan();
   for (size_t i = 0; i < device_count(); ++i) {
     Device& d = devices_[i];
     if (d.direct_fd >= 0 && d.direct_fd != d.buffered_fd) ::close(d.direct_fd);
@@ -189,6 +210,12 @@ Volume::~Volume() {
 }
 
 int Volume::refresh_size() {
+  if (remote_) {
+    uint64_t bytes = 0;
+    if (int err = remote_->size(bytes)) return err;
+    size_.store(bytes, std::memory_order_release);
+    return 0;
+  }
   if (mapped_) return 0;  // a map grows through remap()
   const int fd = devices_[0].buffered_fd;
   uint64_t bytes = 0;
@@ -204,6 +231,7 @@ int Volume::refresh_size() {
 }
 
 std::vector<MappedSegment> Volume::layout() const {
+  if (remote_) return {};
   if (!mapped_) return {{path_, 0, size()}};
   std::vector<MappedSegment> out;
   const size_t count = segment_count_.load(std::memory_order_acquire);
@@ -310,6 +338,7 @@ int Handle::extents(uint64_t offset, uint64_t length, size_t max_extents,
   if (int err = admit(Op::Read, offset, length)) return err;
   const uint64_t end = offset + length;
   if (length == 0 || max_extents == 0) return 0;
+  if (volume_->remote()) return volume_->remote()->extents(offset, length, max_extents, out);
   if (!volume_->may_have_holes()) {
     out.push_back({length, false});
     return 0;

@@ -54,6 +54,10 @@ uint64_t next_data(const backend::Volume& volume, uint64_t offset, uint64_t leng
 
 StoreError copy_volume(const backend::Volume& from, const backend::Volume& to, uint64_t length,
                        const Progress& progress) {
+  if (from.remote() || to.remote()) {  // the remote store clones its own images (clone())
+    return StoreError::from_errno(ENOTSUP,
+                                  "copy to or from " + (from.remote() ? from.path() : to.path()));
+  }
   // Aligned, so that both sides use their O_DIRECT descriptors: a copy passes through no page
   // cache, and leaves none of the volume's bytes there.
   std::unique_ptr<char, decltype(&std::free)> buf(

@@ -80,6 +80,9 @@ StoreError inspect_image(const std::string& path, ImageInfo& out) {
 StoreError fill_from_image(const backend::Volume& volume, const std::string& image,
                            const ImageInfo& info, const Progress& progress) {
   const std::vector<backend::MappedSegment> layout = volume.layout();
+  if (volume.remote()) {
+    return failure(ENOTSUP, volume.path() + " is a remote image; qemu-img fills local ones only");
+  }
   if (layout.size() != 1) {
     return failure(ENOTSUP, "the volume lies in " + std::to_string(layout.size()) +
                                 " pieces; qemu-img can fill one only");

@@ -516,8 +516,12 @@ void Server::Impl::handshake(int fd, bool tcp, const std::string& key) {
     shown.since = std::chrono::system_clock::now();
     shown.serial = serial;
     spdlog::info("nbd: {} connected to {}", shown.peer, group);
-    // Posted under the lock, so a close_group() that follows is queued after it.
-    workers[next_worker++ % workers.size()]->adopt(fd, std::move(*session), std::move(secure));
+    // Posted under the lock, so a close_group() that follows is queued after it. A remote
+    // volume's connections all go to the worker that reaps its image's completions.
+    const auto worker = static_cast<unsigned>(next_worker++ % workers.size());
+    const std::shared_ptr<backend::Volume>& volume = session->exp.volume;
+    workers[volume ? volume->home_worker(worker) : worker]->adopt(fd, std::move(*session),
+                                                                  std::move(secure));
     changed.notify_all();
   }
 }
