@@ -64,7 +64,14 @@ po::options_description daemon_options() {
     ("state-dir", po::value<std::string>()->default_value("./var"),
      "managed mode: database, control socket and file-store volumes live here")
     ("control-socket", po::value<std::string>(), "control socket path (default STATE_DIR/shareblk.sock)")
-    ("store", po::value<std::string>()->default_value("file"), "volume store: file, or lvm:VG")
+    ("store", po::value<std::string>()->default_value("file"),
+     "volume store: file, lvm:VG, or rbd:POOL")
+    ("ceph-conf", po::value<std::string>()->default_value(""),
+     "RBD store: the ceph.conf to read (default: librados' search, /etc/ceph/ceph.conf)")
+    ("ceph-id", po::value<std::string>()->default_value(""),
+     "RBD store: the Ceph user, without 'client.' (default: admin)")
+    ("ceph-timeout", po::value<unsigned>()->default_value(30),
+     "RBD store: seconds before connecting or a request to the cluster fails (EIO to clients)")
     ("lvm-config", po::value<std::string>()->default_value(""),
      "extra lvm2 --config text for the LVM store (e.g. a devices filter)")
     ("preallocate", po::bool_switch(),

@@ -27,6 +27,7 @@
 #include "control/control.h"
 #include "lvm/volume_store.h"
 #include "metrics/metrics.h"
+#include "rbd/rbd_store.h"
 #include "target/target.h"
 
 namespace po = boost::program_options;
@@ -373,9 +374,19 @@ int run(int argc, char** argv) {
     }
     for (auto& path : options.listen_unix) path = fs::absolute(path).lexically_normal().string();
     lvm::StoreError store_error;
-    store = lvm::make_store(vm["store"].as<std::string>(), state.string(),
-                            vm["lvm-config"].as<std::string>(), vm["preallocate"].as<bool>(),
-                            store_error);
+    const std::string store_spec = vm["store"].as<std::string>();
+    if (store_spec.rfind("rbd:", 0) == 0 && store_spec.size() > 4) {
+      // The only store: a cluster out of reach is an error at start (docs/scale-out.md).
+      rbd::ClusterOptions cluster;
+      cluster.pool = store_spec.substr(4);
+      cluster.conf_path = vm["ceph-conf"].as<std::string>();
+      cluster.client_id = vm["ceph-id"].as<std::string>();
+      cluster.timeout = std::chrono::seconds(std::max(1u, vm["ceph-timeout"].as<unsigned>()));
+      store = rbd::make_rbd_store(cluster, store_error);
+    } else {
+      store = lvm::make_store(store_spec, state.string(), vm["lvm-config"].as<std::string>(),
+                              vm["preallocate"].as<bool>(), store_error);
+    }
     if (!store) {
       std::cerr << "shareblkd: " << store_error.message << "\n";
       return 1;

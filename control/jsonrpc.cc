@@ -274,6 +274,7 @@ int code_for(const std::string& reason) {
       {"already_writer", -32011},
       {"volume_busy", -32012},
       {"volume_has_snapshots", -32013},
+      {"not_supported", -32014},
   };
   for (const auto& [name, code] : kCodes) {
     if (reason == name) return code;

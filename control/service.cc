@@ -292,6 +292,7 @@ Json Service::export_resolve(const std::string& name, const Caller& caller) {
     a = *found;
     v = find_volume(tx, a.volume_id);
   }
+  volumes_.require_local("serving an attachment through the nbdkit plugin");
   auto volume = volumes_.open(a.volume_id, v.size);
   if (!volume) throw ApiError("internal", "cannot open volume " + a.volume_id);
   Json segments = Json::array();

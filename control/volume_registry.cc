@@ -53,6 +53,13 @@ size_t VolumeRegistry::lock_count() const {
   return locks_.size();
 }
 
+void VolumeRegistry::require_local(const std::string& what) const {
+  if (!store_.local()) {
+    throw ApiError("not_supported", what + " is not supported on the " + store_.kind() +
+                                        " store (docs/scale-out.md)");
+  }
+}
+
 void VolumeRegistry::create(const std::string& id, uint64_t size) {
   if (lvm::StoreError e = store_.create(id, size)) throw store_error(e);
 }

@@ -32,6 +32,9 @@ class VolumeLock {
 class VolumeRegistry {
  public:
   explicit VolumeRegistry(lvm::VolumeStore& store) : store_(store) {}
+  // Throws not_supported, naming `what`, where the store's volumes are not local files or
+  // devices (lvm::VolumeStore::local()): copies, fills and the nbdkit plugin need them.
+  void require_local(const std::string& what) const;
 
   // Waits for and takes the volume's lock. The table keeps an entry only while someone holds
   // or waits for it: ids come from clients, unknown ones included.

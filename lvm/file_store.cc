@@ -159,7 +159,7 @@ std::unique_ptr<VolumeStore> make_store(const std::string& spec, const std::stri
     return make_lvm_store(spec.substr(4), lvm_config, error);
   }
   error = {std::make_error_code(std::errc::invalid_argument),
-           "--store wants 'file' or 'lvm:VG', got '" + spec + "'"};
+           "--store wants 'file', 'lvm:VG' or 'rbd:POOL', got '" + spec + "'"};
   return nullptr;
 }
 

@@ -36,8 +36,11 @@ class VolumeStore {
  public:
   virtual ~VolumeStore() = default;
 
-  // "file" or "lvm:VG".
+  // "file", "lvm:VG" or "rbd:POOL".
   virtual std::string kind() const = 0;
+  // True when a volume's bytes lie in local files or devices (Volume::layout()): what
+  // copy_volume, fill_from_image and the nbdkit plugin open. False for a remote store.
+  virtual bool local() const { return true; }
 
   // Makes backing for `size` bytes that reads as zeroes. Fails with EEXIST if `id` has one.
   virtual StoreError create(const std::string& id, uint64_t size) = 0;

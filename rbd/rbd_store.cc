@@ -1,0 +1,186 @@
+// The RBD volume store: images `volume-<id>` in one pool, managed with librbd.
+#include "rbd/rbd_store.h"
+
+#include <spdlog/spdlog.h>
+
+#include <cerrno>
+#include <cstring>
+#include <thread>
+
+#include "rbd/rbd_image.h"
+
+namespace shareblk::rbd {
+
+namespace {
+
+constexpr const char* kPrefix = "volume-";
+
+lvm::StoreError failure(int rc, const std::string& what) {
+  return lvm::StoreError::from_errno(-rc, what);
+}
+
+// A librados configuration value, or "" when it has none.
+std::string conf_value(rados_t rados, const char* key) {
+  char value[1024] = {};
+  return rados_conf_get(rados, key, value, sizeof value - 1) == 0 ? value : "";
+}
+
+// An image opened for a control call (resize), closed at the end of the scope.
+struct ScopedImage {
+  ~ScopedImage() {
+    if (image) rbd_close(image);
+  }
+  rbd_image_t image = nullptr;
+};
+
+class RbdVolumeStore final : public lvm::VolumeStore {
+ public:
+  explicit RbdVolumeStore(std::shared_ptr<Cluster> cluster) : cluster_(std::move(cluster)) {}
+
+  std::string kind() const override { return "rbd:" + cluster_->pool; }
+  bool local() const override { return false; }
+
+  lvm::StoreError create(const std::string& id, uint64_t size) override {
+    const std::string name = image_name(id);
+    // The pool's (or the cluster's) default features: with exclusive-lock, one gateway at a
+    // time writes, which the fencing of several gateways builds on.
+    rbd_image_options_t opts = nullptr;
+    rbd_image_options_create(&opts);
+    const int rc = rbd_create4(cluster_->io, name.c_str(), size, opts);
+    rbd_image_options_destroy(opts);
+    if (rc < 0) return failure(rc, "create RBD image " + where(name));
+    return {};
+  }
+
+  lvm::StoreError extend(const std::string& id, uint64_t size) override {
+    const std::string name = image_name(id);
+    ScopedImage image;
+    if (int rc = rbd_open(cluster_->io, name.c_str(), &image.image, nullptr); rc < 0) {
+      return failure(rc, "open RBD image " + where(name));
+    }
+    uint64_t now = 0;
+    if (int rc = rbd_get_size(image.image, &now); rc < 0) return failure(rc, "size of " + name);
+    if (now >= size) return {};
+    // The gateway's open image hears of the new size from the header's watch.
+    if (int rc = rbd_resize2(image.image, size, false, nullptr, nullptr); rc < 0) {
+      return failure(rc, "resize RBD image " + where(name));
+    }
+    return {};
+  }
+
+  lvm::StoreError remove(const std::string& id, const lvm::Progress&) override {
+    const std::string name = image_name(id);
+    // The ring that served the volume closes its image as soon as it wakes (RemoteImage::
+    // orphan): until then the image has a watcher, and librbd refuses with EBUSY.
+    for (int attempt = 0;; ++attempt) {
+      const int rc = rbd_remove(cluster_->io, name.c_str());
+      if (rc == 0 || rc == -ENOENT) return {};
+      if (rc != -EBUSY || attempt == 100) return failure(rc, "remove RBD image " + where(name));
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+  }
+
+  lvm::StoreError open(const std::string& id, uint64_t size,
+                       std::shared_ptr<backend::Volume>& out) override {
+    const std::string name = image_name(id);
+    std::shared_ptr<RbdImage> image;
+    if (int err = RbdImage::open(cluster_, name, image)) {
+      return lvm::StoreError::from_errno(err, "open RBD image " + where(name));
+    }
+    uint64_t actual = 0;
+    if (int err = image->size(actual)) return lvm::StoreError::from_errno(err, "size of " + name);
+    if (actual < size) {
+      // Shrunk behind our back: serving the recorded size would read past its end.
+      return {std::error_code(EIO, std::generic_category()),
+              "RBD image " + where(name) + " holds " + std::to_string(actual) +
+                  " bytes, less than the volume's " + std::to_string(size) +
+                  " (it was resized outside shareblk)"};
+    }
+    out = backend::Volume::open_remote(std::move(image), "rbd:" + where(name), size);
+    return {};
+  }
+
+  lvm::StoreError refresh(const std::string& id, uint64_t size, backend::Volume& volume) override {
+    if (int err = volume.refresh_size()) {
+      return lvm::StoreError::from_errno(err, "size of " + image_name(id));
+    }
+    if (volume.size() < size) {
+      return lvm::StoreError::from_errno(
+          EIO, "RBD image " + where(image_name(id)) + " did not grow to " + std::to_string(size));
+    }
+    return {};
+  }
+
+  lvm::StoreError list(std::vector<std::string>& ids) override {
+    ids.clear();
+    std::vector<rbd_image_spec_t> images(64);
+    size_t count = images.size();
+    int rc = 0;
+    while ((rc = rbd_list2(cluster_->io, images.data(), &count)) == -ERANGE) {
+      images.resize(count);
+    }
+    if (rc < 0) return failure(rc, "list RBD images of pool " + cluster_->pool);
+    for (size_t i = 0; i < count; ++i) {
+      const std::string name = images[i].name;
+      if (name.rfind(kPrefix, 0) == 0) ids.push_back(name.substr(std::strlen(kPrefix)));
+    }
+    rbd_image_spec_list_cleanup(images.data(), count);
+    return {};
+  }
+
+ private:
+  static std::string image_name(const std::string& id) { return kPrefix + id; }
+  std::string where(const std::string& name) const { return cluster_->pool + "/" + name; }
+
+  std::shared_ptr<Cluster> cluster_;
+};
+
+}  // namespace
+
+bool available() {
+  return true;
+}
+
+std::unique_ptr<lvm::VolumeStore> make_rbd_store(const ClusterOptions& options,
+                                                 lvm::StoreError& error) {
+  auto cluster = std::make_shared<Cluster>();
+  cluster->pool = options.pool;
+  const char* id = options.client_id.empty() ? nullptr : options.client_id.c_str();
+  if (int rc = rados_create(&cluster->rados, id); rc < 0) {
+    cluster->rados = nullptr;
+    error = failure(rc, "librados");
+    return nullptr;
+  }
+  const char* conf = options.conf_path.empty() ? nullptr : options.conf_path.c_str();
+  if (int rc = rados_conf_read_file(cluster->rados, conf); rc < 0) {
+    error = failure(
+        rc, "read Ceph configuration " +
+                (options.conf_path.empty() ? std::string("(default search)") : options.conf_path));
+    return nullptr;
+  }
+  rados_conf_parse_env(cluster->rados, nullptr);
+  const std::string timeout = std::to_string(options.timeout.count());
+  for (const char* key : {"client_mount_timeout", "rados_mon_op_timeout", "rados_osd_op_timeout"}) {
+    rados_conf_set(cluster->rados, key, timeout.c_str());
+  }
+  // librbd's cache off: a write is acknowledged once the OSDs have it durable (rbd_store.h).
+  rados_conf_set(cluster->rados, "rbd_cache", "false");
+  if (int rc = rados_connect(cluster->rados); rc < 0) {
+    const std::string mons = conf_value(cluster->rados, "mon_host");
+    error = failure(rc, "connect to the Ceph cluster at " +
+                            (mons.empty() ? std::string("(no mon_host configured)") : mons) +
+                            " within " + timeout + " s");
+    return nullptr;
+  }
+  if (int rc = rados_ioctx_create(cluster->rados, options.pool.c_str(), &cluster->io); rc < 0) {
+    cluster->io = nullptr;
+    error = failure(rc, "open pool " + options.pool);
+    return nullptr;
+  }
+  spdlog::info("store: RBD pool {} of the cluster at {} (client.{})", options.pool,
+               conf_value(cluster->rados, "mon_host"),
+               options.client_id.empty() ? "admin" : options.client_id);
+  return std::make_unique<RbdVolumeStore>(std::move(cluster));
+}
+
+}  // namespace shareblk::rbd

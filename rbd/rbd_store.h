@@ -1,0 +1,40 @@
+// rbd: volumes as RBD images in a Ceph pool (docs/scale-out.md), for gateways whose volumes
+// outgrow one host. Each volume is the image `volume-<id>` of POOL, made, grown and removed
+// with librbd; its I/O goes through librbd's asynchronous calls, reaped on the io_uring worker
+// that serves the volume (backend::RemoteImage). The control plane sees an ordinary
+// lvm::VolumeStore.
+#pragma once
+
+#include <chrono>
+#include <memory>
+#include <string>
+
+#include "lvm/volume_store.h"
+
+namespace shareblk::rbd {
+
+// False when this build has no librbd (librbd-dev was missing): make_rbd_store() then fails
+// with ENOTSUP.
+bool available();
+
+// How to reach the cluster: the daemon's --store rbd:POOL, --ceph-conf, --ceph-id and
+// --ceph-timeout.
+struct ClusterOptions {
+  std::string pool;
+  std::string conf_path;  // empty: librados' own search (CEPH_CONF, /etc/ceph/ceph.conf)
+  std::string client_id;  // the cephx user without "client."; empty: "admin"
+  // Connecting, and every request to a monitor or an OSD, fails after this long (then EIO
+  // to the client) rather than waiting for the cluster for ever.
+  std::chrono::seconds timeout{30};
+};
+
+// Connects to the cluster and opens the pool. A cluster that does not answer within the
+// timeout is an error that names the monitors tried; a missing pool is ENOENT.
+// The images are opened with librbd's cache off (rbd_cache = false): librbd then
+// acknowledges a write only once the OSDs have it durable, which makes FUA and FLUSH hold
+// without a cache to drain, and keeps no bytes of a shared volume in one gateway's memory
+// (docs/scale-out.md, "Durability").
+std::unique_ptr<lvm::VolumeStore> make_rbd_store(const ClusterOptions& options,
+                                                 lvm::StoreError& error);
+
+}  // namespace shareblk::rbd
