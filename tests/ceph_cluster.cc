@@ -152,7 +152,16 @@ CephCluster::~CephCluster() {
   stop();
 }
 
+void CephCluster::freeze_osd() const {
+  if (osd_ > 0) ::kill(osd_, SIGSTOP);
+}
+
+void CephCluster::thaw_osd() const {
+  if (osd_ > 0) ::kill(osd_, SIGCONT);
+}
+
 void CephCluster::stop() {
+  thaw_osd();  // a frozen OSD would not hear its SIGTERM
   stop_daemon(osd_);
   stop_daemon(mon_);
 }

@@ -36,6 +36,10 @@ class CephCluster {
   std::string conf_path() const { return dir_ / "ceph.conf"; }
   // A pool of one replica, initialised for RBD.
   const std::string& pool() const { return pool_; }
+  // Freezes (SIGSTOP) or thaws (SIGCONT) the OSD: a cluster that stops answering requests
+  // while its monitor goes on, as a hung or partitioned OSD host would.
+  void freeze_osd() const;
+  void thaw_osd() const;
   // Stops the OSD and then the monitor (an OSD going down tells its monitor, and waits 5 s for
   // one that is gone): SIGTERM, SIGKILL after 10 s. Idempotent.
   void stop();

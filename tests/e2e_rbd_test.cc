@@ -63,16 +63,14 @@ class RbdStore : public ::testing::Test {
     EXPECT_EQ(daemon_->stop(SIGTERM), 0) << daemon_->log();
   }
 
-  void start(const std::vector<std::string>& extra = {}) {
+  void start(int ceph_timeout_s = 20) {
     daemon_.reset();
-    std::vector<std::string> args{"--state-dir",    dir_ / "var",
-                                  "--store",        "rbd:" + pool(),
-                                  "--ceph-conf",    ceph_->conf_path(),
-                                  "--listen-unix",  dir_ / "nbd.sock",
-                                  "--workers",      "2",
-                                  "--ceph-timeout", "20"};
-    args.insert(args.end(), extra.begin(), extra.end());
-    daemon_ = std::make_unique<Daemon>(args, socket());
+    daemon_ = std::make_unique<Daemon>(
+        std::vector<std::string>{"--state-dir", dir_ / "var", "--store", "rbd:" + pool(),
+                                 "--ceph-conf", ceph_->conf_path(), "--listen-unix",
+                                 dir_ / "nbd.sock", "--workers", "2", "--ceph-timeout",
+                                 std::to_string(ceph_timeout_s)},
+        socket());
   }
   static const std::string& pool() { return ceph_->pool(); }
   std::string socket() const { return dir_ / "var/shareblk.sock"; }
@@ -329,6 +327,67 @@ TEST_F(RbdStore, AnImageRemovedBehindOurBackIsAVolumeInError) {
                         {"connector", {{"host", "h"}, {"transport", "unix"}}}}),
             "volume_error");
   rpc_ok(socket(), "volume_delete", {{"volume_id", id}});
+}
+
+// The cluster stops answering while a volume is served (its OSD frozen): requests fail with
+// EIO after --ceph-timeout rather than hanging, and once the OSD is back the same
+// connection writes and reads again.
+TEST_F(RbdStore, AClusterThatStopsAnsweringFailsRequestsWithEioThenRecovers) {
+  start(3);
+  const std::string id = create("8M");
+  NbdHandle rw(attach(id, "host-a", "rw"));
+  ASSERT_TRUE(rw.ok) << nbd_get_error();
+  const std::string before = pattern(4096, 11);
+  ASSERT_EQ(nbd_pwrite(rw.h, before.data(), before.size(), 0, 0), 0) << nbd_get_error();
+
+  struct Thaw {
+    ~Thaw() { ceph->thaw_osd(); }
+    CephCluster* ceph;
+  } thaw{ceph_};
+  ceph_->freeze_osd();
+  const std::string during = pattern(4096, 12);
+  const auto begin = std::chrono::steady_clock::now();
+  EXPECT_EQ(nbd_pwrite(rw.h, during.data(), during.size(), 4096, LIBNBD_CMD_FLAG_FUA), -1);
+  EXPECT_EQ(nbd_get_errno(), EIO) << nbd_get_error();
+  std::string back(4096, '\0');
+  EXPECT_EQ(nbd_pread(rw.h, back.data(), back.size(), 0, 0), -1);
+  EXPECT_EQ(nbd_get_errno(), EIO) << nbd_get_error();
+  const auto failed_after = std::chrono::steady_clock::now() - begin;
+  EXPECT_LT(failed_after, std::chrono::seconds(20));  // two requests, 3 s each, and slack
+  ceph_->thaw_osd();
+
+  // Back: the next requests on the same connection go through (librbd may take a moment to
+  // find its OSD again).
+  const std::string after = pattern(4096, 13);
+  int rc = -1;
+  for (int i = 0; i < 30 && rc != 0; ++i) {
+    rc = nbd_pwrite(rw.h, after.data(), after.size(), 8192, LIBNBD_CMD_FLAG_FUA);
+    if (rc != 0) std::this_thread::sleep_for(std::chrono::seconds(1));
+  }
+  ASSERT_EQ(rc, 0) << nbd_get_error();
+  ASSERT_EQ(nbd_pread(rw.h, back.data(), back.size(), 0, 0), 0) << nbd_get_error();
+  EXPECT_TRUE(back == before);
+  ASSERT_EQ(nbd_pread(rw.h, back.data(), back.size(), 8192, 0), 0) << nbd_get_error();
+  EXPECT_TRUE(back == after);
+  EXPECT_TRUE(image_bytes(id, 8192, 4096) == after);
+}
+
+// An image shrunk behind shareblk's back is not served at its old size: a new attachment is
+// refused with the sizes named.
+TEST_F(RbdStore, AnImageShrunkBehindOurBackIsRefused) {
+  const std::string id = create("16M");
+  daemon_.reset();
+  RunResult shrink = rbd({"resize", "--allow-shrink", "--size", "8M", pool() + "/volume-" + id});
+  ASSERT_EQ(shrink.status, 0) << shrink.output;
+  start();
+  Json r = rpc(socket(), "attachment_create",
+               {{"volume_id", id},
+                {"instance_uuid", "i"},
+                {"connector", {{"host", "h"}, {"transport", "unix"}}}});
+  ASSERT_TRUE(r.contains("error")) << r.dump();
+  EXPECT_NE(r["error"]["message"].get<std::string>().find("resized outside shareblk"),
+            std::string::npos)
+      << r.dump();
 }
 
 // A cluster that does not answer: the daemon, whose only store it is, refuses to start within
