@@ -151,6 +151,13 @@ std::unique_ptr<lvm::VolumeStore> make_rbd_store(const ClusterOptions& options,
     error = failure(rc, "librados");
     return nullptr;
   }
+  // Defaults the configuration may change (rbd_store.h says why): librbd starts a request on
+  // the worker's thread instead of handing it to its own first, a thread hop less per request;
+  // the objecter's throttles, the one thing that could then make a worker wait, are set above
+  // what the workers can have in flight (1 GiB of payload each, 256 requests a connection).
+  rados_conf_set(cluster->rados, "rbd_non_blocking_aio", "false");
+  rados_conf_set(cluster->rados, "objecter_inflight_ops", "1048576");
+  rados_conf_set(cluster->rados, "objecter_inflight_op_bytes", "68719476736");
   const char* conf = options.conf_path.empty() ? nullptr : options.conf_path.c_str();
   if (int rc = rados_conf_read_file(cluster->rados, conf); rc < 0) {
     error = failure(

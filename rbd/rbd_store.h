@@ -30,10 +30,12 @@ struct ClusterOptions {
 
 // Connects to the cluster and opens the pool. A cluster that does not answer within the
 // timeout is an error that names the monitors tried; a missing pool is ENOENT.
-// The images are opened with librbd's cache off (rbd_cache = false): librbd then
-// acknowledges a write only once the OSDs have it durable, which makes FUA and FLUSH hold
-// without a cache to drain, and keeps no bytes of a shared volume in one gateway's memory
-// (docs/scale-out.md, "Durability").
+// The images are opened with librbd's cache off (rbd_cache = false, whatever the
+// configuration says): librbd then acknowledges a write only once the OSDs have it durable,
+// which makes FUA and FLUSH hold without a cache to drain, and keeps no bytes of a shared
+// volume in one gateway's memory (docs/scale-out.md, "Durability"). Unless the configuration
+// says otherwise, librbd also starts each request on the calling worker's thread
+// (rbd_non_blocking_aio = false; docs/scale-out.md, "I/O").
 std::unique_ptr<lvm::VolumeStore> make_rbd_store(const ClusterOptions& options,
                                                  lvm::StoreError& error);
 

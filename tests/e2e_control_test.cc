@@ -26,6 +26,9 @@
 #include <thread>
 #include <vector>
 
+#if SHAREBLK_TEST_CEPH
+#include "tests/ceph_cluster.h"
+#endif
 #include "tests/lvm_fixture.h"
 #include "tests/nbd_client.h"
 #include "tests/support.h"
@@ -156,6 +159,17 @@ class ControlE2eTest : public ::testing::TestWithParam<std::string> {
       vg_ = std::make_unique<st::LoopVolumeGroup>(dir_, vg, 512 * kMiB);
       ASSERT_TRUE(vg_->ok()) << vg_->why();
     }
+    if (store() == "rbd") {
+#if SHAREBLK_TEST_CEPH
+      const std::string missing = st::CephCluster::missing_programs();
+      SHAREBLK_REQUIRE(missing.empty(), "the RBD store's tests need " + missing);
+      ceph_ = std::make_unique<st::CephCluster>();
+      const std::string why = ceph_->start();
+      ASSERT_TRUE(why.empty()) << why;
+#else
+      SHAREBLK_REQUIRE(false, "this build has no librbd (librbd-dev, librados-dev)");
+#endif
+    }
     start();
   }
   // A clean shutdown is part of every test: under the sanitizers a leak or a runtime error
@@ -169,6 +183,9 @@ class ControlE2eTest : public ::testing::TestWithParam<std::string> {
     EXPECT_EQ(log.find("runtime error"), std::string::npos) << log;
     daemon_.reset();
     vg_.reset();  // after the daemon: it may still hold the PV open
+#if SHAREBLK_TEST_CEPH
+    ceph_.reset();  // likewise its images
+#endif
   }
 
   void start(const std::vector<std::string>& extra = {}) {
@@ -180,19 +197,46 @@ class ControlE2eTest : public ::testing::TestWithParam<std::string> {
       args.insert(args.end(),
                   {"--store", "lvm:" + vg_->vg(), "--lvm-config", vg_->daemon_config()});
     }
+#if SHAREBLK_TEST_CEPH
+    if (ceph_) {
+      args.insert(args.end(),
+                  {"--store", "rbd:" + ceph_->pool(), "--ceph-conf", ceph_->conf_path()});
+    }
+#endif
     args.insert(args.end(), extra.begin(), extra.end());
     daemon_ = std::make_unique<st::Daemon>(args, control_socket());
   }
 
-  std::string control_socket() const { return dir_ / "shareblk.sock"; }
-  std::string nbd_socket() const { return dir_ / "nbd.sock"; }
+  std::string control_socket() const {
+    return dir_ / "shareblk.sock";
+  }
+  std::string nbd_socket() const {
+    return dir_ / "nbd.sock";
+  }
   // The volume's bytes where its store keeps them: the file, or the PV behind the LV.
   std::string stored_bytes(const std::string& volume_id, uint64_t offset, size_t length) const {
     if (vg_) return vg_->read("volume-" + volume_id, offset, length);
+#if SHAREBLK_TEST_CEPH
+    if (ceph_) {  // the image as the cluster has it
+      const std::string out = dir_ / ("export-" + volume_id);
+      fs::remove(out);
+      st::RunResult r = st::run(
+          {"rbd", "-c", ceph_->conf_path(), "export", ceph_->pool() + "/volume-" + volume_id, out});
+      if (r.status != 0) return "rbd export failed: " + r.output;
+      return st::read_file(out, offset, length);
+    }
+#endif
     return st::read_file(dir_ / ("volumes/" + volume_id + ".img"), offset, length);
   }
   uint64_t stored_size(const std::string& volume_id) const {
     if (vg_) return vg_->size("volume-" + volume_id);
+#if SHAREBLK_TEST_CEPH
+    if (ceph_) {
+      st::RunResult r = st::run({"rbd", "-c", ceph_->conf_path(), "info", "--format", "json",
+                                 ceph_->pool() + "/volume-" + volume_id});
+      return r.status == 0 ? Json::parse(r.output).value("size", uint64_t{0}) : 0;
+    }
+#endif
     return fs::file_size(dir_ / ("volumes/" + volume_id + ".img"));
   }
 
@@ -250,6 +294,9 @@ class ControlE2eTest : public ::testing::TestWithParam<std::string> {
 
   st::TempDir dir_;
   std::unique_ptr<st::LoopVolumeGroup> vg_;
+#if SHAREBLK_TEST_CEPH
+  std::unique_ptr<st::CephCluster> ceph_;  // the rbd store's, one per test
+#endif
   std::unique_ptr<st::Daemon> daemon_;
 };
 
@@ -804,7 +851,7 @@ TEST_P(ControlE2eTest, MalformedRequestsLeaveTheConnectionUsable) {
 
 // --- The CLI ---
 
-INSTANTIATE_TEST_SUITE_P(Stores, ControlE2eTest, ::testing::Values("file", "lvm"),
+INSTANTIATE_TEST_SUITE_P(Stores, ControlE2eTest, ::testing::Values("file", "lvm", "rbd"),
                          [](const ::testing::TestParamInfo<std::string>& param) {
                            return param.param;
                          });
