@@ -38,8 +38,6 @@ Json Service::volume_create(const VolumeSpec& spec) {
     invalid("give at most one of from_image, from_snapshot and from_volume");
   }
   if (!spec.from_image.empty()) volumes_.require_local("volume_create from_image");
-  if (!spec.from_snapshot.empty()) volumes_.require_local("volume_create from_snapshot");
-  if (!spec.from_volume.empty()) volumes_.require_local("volume_create from_volume");
   lvm::ImageInfo image;
   uint64_t source_size = 0;  // the bytes the copy brings
   // A snapshot or volume copied from is kept from deletion until its copy is made, and a

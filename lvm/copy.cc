@@ -6,6 +6,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <vector>
 
 #include "lvm/volume_store.h"
 
@@ -21,8 +22,12 @@ bool all_zero(const char* p, size_t n) {
 }
 
 // Moves `n` bytes between `buf` and `volume` at `offset`, piece by piece as they lie on its
-// devices. Returns errno.
+// devices, or as one call of its remote image. Returns errno.
 int transfer(const backend::Volume& volume, bool write, char* buf, uint64_t n, uint64_t offset) {
+  if (volume.remote()) {
+    return volume.remote()->execute(write ? backend::Op::Write : backend::Op::Read, 0, offset, n,
+                                    buf);
+  }
   for (uint64_t done = 0; done < n;) {
     const backend::Volume::Location at = volume.locate(offset + done, n - done, buf + done);
     if (at.fd < 0) return EIO;
@@ -42,6 +47,14 @@ int transfer(const backend::Volume& volume, bool write, char* buf, uint64_t n, u
 // Where the next data at or after `offset` begins in a file volume (SEEK_DATA), so that holes
 // are skipped without being read; `offset` itself for anything else.
 uint64_t next_data(const backend::Volume& volume, uint64_t offset, uint64_t length) {
+  if (volume.remote()) {  // the store says what was never written
+    std::vector<backend::Extent> first;
+    if (volume.remote()->extents(offset, length - offset, 1, first) != 0 || first.empty() ||
+        !first[0].hole) {
+      return offset;
+    }
+    return std::min(length, offset + first[0].length);
+  }
   if (volume.is_block_device() || volume.is_mapped() || !volume.may_have_holes()) return offset;
   const backend::Volume::Location at = volume.locate_buffered(offset, length - offset);
   if (at.fd < 0) return offset;
@@ -54,10 +67,6 @@ uint64_t next_data(const backend::Volume& volume, uint64_t offset, uint64_t leng
 
 StoreError copy_volume(const backend::Volume& from, const backend::Volume& to, uint64_t length,
                        const Progress& progress) {
-  if (from.remote() || to.remote()) {  // the remote store clones its own images (clone())
-    return StoreError::from_errno(ENOTSUP,
-                                  "copy to or from " + (from.remote() ? from.path() : to.path()));
-  }
   // Aligned, so that both sides use their O_DIRECT descriptors: a copy passes through no page
   // cache, and leaves none of the volume's bytes there.
   std::unique_ptr<char, decltype(&std::free)> buf(
@@ -90,6 +99,10 @@ StoreError copy_volume(const backend::Volume& from, const backend::Volume& to, u
       }
     }
     offset += n;
+  }
+  if (to.remote()) {
+    if (int err = to.remote()->execute(backend::Op::Flush, 0, 0, 0, nullptr))
+      return StoreError::from_errno(err, "flush " + to.path());
   }
   for (size_t i = 0; i < to.device_count(); ++i) {
     if (::fdatasync(to.device_fd(i)) != 0)

@@ -39,7 +39,8 @@ class VolumeStore {
   // "file", "lvm:VG" or "rbd:POOL".
   virtual std::string kind() const = 0;
   // True when a volume's bytes lie in local files or devices (Volume::layout()): what
-  // copy_volume, fill_from_image and the nbdkit plugin open. False for a remote store.
+  // fill_from_image (qemu-img) and the nbdkit plugin open. False for a remote store, whose
+  // volumes copy_volume still copies (through the image's own calls).
   virtual bool local() const { return true; }
 
   // Makes backing for `size` bytes that reads as zeroes. Fails with EEXIST if `id` has one.
@@ -66,7 +67,8 @@ class VolumeStore {
 
 // Copies the first `length` bytes of `from` into `to`, a freshly made backing that reads as
 // zeroes: what reads as zeroes (holes, zero blocks) is skipped, not written, so a sparse volume
-// stays sparse. Syncs `to` before it returns; tells `progress` (ECANCELED when it says stop).
+// stays sparse. Either may be a remote image (read and written with its synchronous calls,
+// its holes from its allocation). Syncs `to` before it returns; tells `progress` (ECANCELED when it says stop).
 StoreError copy_volume(const backend::Volume& from, const backend::Volume& to, uint64_t length,
                        const Progress& progress);
 

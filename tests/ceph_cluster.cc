@@ -160,8 +160,17 @@ void CephCluster::thaw_osd() const {
   if (osd_ > 0) ::kill(osd_, SIGCONT);
 }
 
+void CephCluster::freeze_monitor() const {
+  if (mon_ > 0) ::kill(mon_, SIGSTOP);
+}
+
+void CephCluster::thaw_monitor() const {
+  if (mon_ > 0) ::kill(mon_, SIGCONT);
+}
+
 void CephCluster::stop() {
-  thaw_osd();  // a frozen OSD would not hear its SIGTERM
+  thaw_osd();  // a frozen daemon would not hear its SIGTERM
+  thaw_monitor();
   stop_daemon(osd_);
   stop_daemon(mon_);
 }

@@ -40,6 +40,9 @@ class CephCluster {
   // while its monitor goes on, as a hung or partitioned OSD host would.
   void freeze_osd() const;
   void thaw_osd() const;
+  // The same for the monitor: the OSD goes on serving clients that have the cluster's maps.
+  void freeze_monitor() const;
+  void thaw_monitor() const;
   // Stops the OSD and then the monitor (an OSD going down tells its monitor, and waits 5 s for
   // one that is gone): SIGTERM, SIGKILL after 10 s. Idempotent.
   void stop();
