@@ -152,25 +152,19 @@ CephCluster::~CephCluster() {
   stop();
 }
 
-void CephCluster::freeze_osd() const {
-  if (osd_ > 0) ::kill(osd_, SIGSTOP);
+CephCluster::Frozen::Frozen(pid_t pid) : pid_(pid) {
+  if (pid_ > 0) ::kill(pid_, SIGSTOP);
 }
 
-void CephCluster::thaw_osd() const {
-  if (osd_ > 0) ::kill(osd_, SIGCONT);
-}
-
-void CephCluster::freeze_monitor() const {
-  if (mon_ > 0) ::kill(mon_, SIGSTOP);
-}
-
-void CephCluster::thaw_monitor() const {
-  if (mon_ > 0) ::kill(mon_, SIGCONT);
+void CephCluster::Frozen::reset() {
+  if (pid_ > 0) ::kill(pid_, SIGCONT);
+  pid_ = -1;
 }
 
 void CephCluster::stop() {
-  thaw_osd();  // a frozen daemon would not hear its SIGTERM
-  thaw_monitor();
+  for (pid_t pid : {osd_, mon_}) {  // a frozen daemon would not act on its SIGTERM
+    if (pid > 0) ::kill(pid, SIGCONT);
+  }
   stop_daemon(osd_);
   stop_daemon(mon_);
 }

@@ -36,13 +36,23 @@ class CephCluster {
   std::string conf_path() const { return dir_ / "ceph.conf"; }
   // A pool of one replica, initialised for RBD.
   const std::string& pool() const { return pool_; }
-  // Freezes (SIGSTOP) or thaws (SIGCONT) the OSD: a cluster that stops answering requests
-  // while its monitor goes on, as a hung or partitioned OSD host would.
-  void freeze_osd() const;
-  void thaw_osd() const;
-  // The same for the monitor: the OSD goes on serving clients that have the cluster's maps.
-  void freeze_monitor() const;
-  void thaw_monitor() const;
+  // A daemon stopped with SIGSTOP for as long as this lives (SIGCONT when it goes, or at
+  // reset()): a hung or partitioned host, whose sockets stay open and say nothing.
+  class Frozen {
+   public:
+    explicit Frozen(pid_t pid);
+    ~Frozen() { reset(); }
+    Frozen(const Frozen&) = delete;
+    Frozen& operator=(const Frozen&) = delete;
+    void reset();
+
+   private:
+    pid_t pid_;
+  };
+  // The OSD: requests get no answer while the monitor goes on.
+  [[nodiscard]] Frozen freeze_osd() const { return Frozen(osd_); }
+  // The monitor: the OSD goes on serving clients that have the cluster's maps.
+  [[nodiscard]] Frozen freeze_monitor() const { return Frozen(mon_); }
   // Stops the OSD and then the monitor (an OSD going down tells its monitor, and waits 5 s for
   // one that is gone): SIGTERM, SIGKILL after 10 s. Idempotent.
   void stop();
