@@ -196,6 +196,10 @@ void Ring::drop_reaper(const RemoteReaper* reaper) {
 }
 
 void Ring::start_remote(IoRequest* r) {
+  if (r->op == Op::Cache) {  // a hint with nothing to warm (RemoteImage)
+    finish_remote(r, 0);
+    return;
+  }
   const std::shared_ptr<RemoteImage>& image = r->handle_->volume()->remote();
   int err = reap(image) ? 0 : EIO;
   if (err == 0) err = image->start(r->op, r->flags, r->offset, r->length, r->buf, r);
