@@ -68,7 +68,8 @@ class VolumeStore {
 // Copies the first `length` bytes of `from` into `to`, a freshly made backing that reads as
 // zeroes: what reads as zeroes (holes, zero blocks) is skipped, not written, so a sparse volume
 // stays sparse. Either may be a remote image (read and written with its synchronous calls,
-// its holes from its allocation). Syncs `to` before it returns; tells `progress` (ECANCELED when it says stop).
+// its holes from its allocation). Syncs `to` before it returns; tells `progress` (ECANCELED
+// when it says stop).
 StoreError copy_volume(const backend::Volume& from, const backend::Volume& to, uint64_t length,
                        const Progress& progress);
 
