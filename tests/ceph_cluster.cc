@@ -11,6 +11,7 @@
 
 #include <chrono>
 #include <deque>
+#include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <sstream>
@@ -152,8 +153,33 @@ CephCluster::~CephCluster() {
   stop();
 }
 
+namespace {
+
+// True once every thread of pid is in group stop. kill(SIGSTOP) returns before the threads
+// stop: one already handling a request may still answer it, which a test must not mistake
+// for the daemon serving while frozen.
+bool all_threads_stopped(pid_t pid) {
+  std::error_code ec;
+  const std::filesystem::path tasks = "/proc/" + std::to_string(pid) + "/task";
+  for (const auto& task : std::filesystem::directory_iterator(tasks, ec)) {
+    std::ifstream in(task.path() / "stat");
+    std::string stat((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    const auto comm_end = stat.rfind(')');  // the state follows the command, which may hold ')'
+    if (comm_end == std::string::npos || comm_end + 2 >= stat.size()) continue;  // thread gone
+    if (stat[comm_end + 2] != 'T' && stat[comm_end + 2] != 't') return false;
+  }
+  return !ec;
+}
+
+}  // namespace
+
 CephCluster::Frozen::Frozen(pid_t pid) : pid_(pid) {
-  if (pid_ > 0) ::kill(pid_, SIGSTOP);
+  if (pid_ <= 0) return;
+  ::kill(pid_, SIGSTOP);
+  for (const auto deadline = Clock::now() + 5s; Clock::now() < deadline;) {
+    if (all_threads_stopped(pid_)) return;
+    std::this_thread::sleep_for(1ms);
+  }
 }
 
 void CephCluster::Frozen::reset() {
