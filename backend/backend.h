@@ -297,7 +297,7 @@ class RemoteImage {
   virtual ~RemoteImage() = default;
 
   // Starts an admitted request of `length` bytes at `offset` (`buf`: Read, Write). Its result
-  // comes from a later poll(), with `tag`. Returns 0, or an errno when it did not start (and
+  // comes from a later poll(), with `tag` (the engine's request: aligned, never odd). Returns 0, or an errno when it did not start (and
   // poll() will not report it). The store acknowledges a write once it is durable, so kFua
   // needs nothing more. Cache never comes here: the engines answer that hint themselves.
   virtual int start(Op op, uint32_t flags, uint64_t offset, uint64_t length, char* buf,
@@ -323,6 +323,17 @@ class RemoteImage {
   virtual int size(uint64_t& out) = 0;
   // False when the image can only be read.
   virtual bool writable() const = 0;
+
+  // Write ownership among the gateways (daemons) that serve the image, for a volume with one
+  // writer at most (docs/scale-out.md, "Fencing across gateways"). claim_writer(): this
+  // gateway takes the image's exclusive lock in the store and keeps it, refusing to hand it
+  // over, until release_writer(); EBUSY when another gateway holds it. fence_writer(): the
+  // same, but another holder is first cut off by the store itself (its later requests are
+  // refused there, in flight or not) and its lock broken; `fenced` then names it. Both return
+  // 0 or an errno; release_writer() may be called when nothing is held.
+  virtual int claim_writer() = 0;
+  virtual int fence_writer(std::string& fenced) = 0;
+  virtual void release_writer() = 0;
 };
 
 // A volume as one attachment sees it. Cheap to copy; every frontend request goes through it.

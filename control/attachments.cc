@@ -137,8 +137,10 @@ Json Service::attachment_create(const AttachmentSpec& spec) {
   a.created_at = now_iso();
   // The first read-write attachment of a single-writer volume without one is its writer; the
   // others are standbys until a takeover (docs/fencing.md).
+  // In a shared store the writer may be another gateway's, which holds the image's lock.
   const bool becomes_writer = a.mode == backend::AttachMode::ReadWrite &&
-                              v.writer_policy == WriterPolicy::Single && v.writer.empty();
+                              v.writer_policy == WriterPolicy::Single && v.writer.empty() &&
+                              claim_shared_writer(v);
   if (becomes_writer) make_writer(v, a.id, a.created_at);
   if (may_write(a, v)) a.write_access_since = a.created_at;
   // Unreachable until committed: no export of it resolves before that.
@@ -155,6 +157,7 @@ Json Service::attachment_create(const AttachmentSpec& spec) {
     exports_.unmount(a.id);  // never a mount the database does not know of
     exports_.forget_write_access(a.id);
     qos_.forget_attachment(a.id);
+    if (becomes_writer) release_shared_writer(v);
     throw;
   }
   spdlog::info("control: attachment {} of volume {} for {} ({}, {}{})", a.id, v.id,
@@ -264,7 +267,10 @@ Json Service::detach(const std::string& volume_id, const std::string& attachment
   a.detach_time = now_iso();
   a.write_access_since.clear();
   const bool was_writer = v.writer == a.id;
-  if (was_writer) make_writer(v, "", a.detach_time);
+  if (was_writer) {
+    make_writer(v, "", a.detach_time);
+    release_shared_writer(v);  // its writes are drained: another gateway may take the lock
+  }
   Json out;
   try {
     Database::Transaction tx(db_);

@@ -149,6 +149,18 @@ class Service {
   Json detach(const std::string& volume_id, const std::string& attachment_id);
   // writers.cc
   Json change_mode(const std::string& id, backend::AttachMode mode);
+  // A single-writer volume in a shared store: its writer's gateway holds the image's lock
+  // (docs/scale-out.md, "Fencing across gateways"). claim: false when another gateway holds
+  // it; fence: cuts that gateway off in the cluster first. Both throw ApiError (internal)
+  // when the cluster cannot say; release only logs. Nothing for other volumes and stores.
+  bool claim_shared_writer(const VolumeRow& v);
+  // Returns the fenced gateway's client as the cluster names it, "" for none.
+  std::string fence_shared_writer(const VolumeRow& v);
+  void release_shared_writer(const VolumeRow& v);
+  // At start, for a writer recorded here: takes the lock back. Another gateway took it over
+  // meanwhile: no writer now (recorded in `tx`). False when the cluster could not say: the
+  // writer keeps its place, without write access until a takeover or the next start.
+  bool reclaim_shared_writer(Database::Transaction& tx, VolumeRow& v);
   // Makes every write the volume acknowledged durable; throws ApiError (internal).
   void flush_volume(const VolumeRow& v, const std::string& why);
   // At start: the gates of the live attachments, from the database, and no writer that is
@@ -207,7 +219,16 @@ class Service {
                                       const std::string& volume_id);
   void remount(const AttachmentRow& a, const VolumeRow& v);
   std::string volume_of(const std::string& attachment_id);
-  static VolumeRow find_volume(Database::Transaction& tx, const std::string& id);
+  // A volume this gateway has no row of may be one another gateway made in a shared store:
+  // its definition is then read from the store and the row added in `tx` (learn_volume).
+  VolumeRow find_volume(Database::Transaction& tx, const std::string& id);
+  std::optional<VolumeRow> learn_volume(Database::Transaction& tx, const std::string& id);
+  // Saves the volume's definition with its backing when the store is shared (volumes.cc).
+  // Throws ApiError.
+  void publish(const VolumeRow& v);
+  // After a change is committed here: publish(), a failure only logged (gateways that learn
+  // the volume later see the definition before the change).
+  void republish(const VolumeRow& v);
   static AttachmentRow find_attachment(Database::Transaction& tx, const std::string& id);
   // views.cc
   Json volume_json(Database::Transaction& tx, const VolumeRow& v);

@@ -168,6 +168,23 @@ std::string VolumeRegistry::set_missing(const std::string& id, const std::string
   return it->second;
 }
 
+void VolumeRegistry::save_definition(const std::string& id, const std::string& text) {
+  if (lvm::StoreError e = store_.save_definition(id, text)) {
+    throw ApiError("internal", "volume " + id + ": " + e.message);
+  }
+}
+
+std::optional<std::string> VolumeRegistry::load_definition(const std::string& id) {
+  std::string text;
+  if (lvm::StoreError e = store_.load_definition(id, text)) {
+    if (!is_missing(e)) {
+      spdlog::warn("control: volume {}: {}", id, e.message);
+    }
+    return std::nullopt;
+  }
+  return text;
+}
+
 void VolumeRegistry::reconcile(
     const std::vector<std::pair<std::string, std::string>>& known_ids_and_names) {
   std::vector<std::string> ids;

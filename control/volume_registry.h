@@ -36,6 +36,14 @@ class VolumeRegistry {
   // devices (lvm::VolumeStore::local()): copies, fills and the nbdkit plugin need them.
   void require_local(const std::string& what) const;
 
+  // True when other gateways may serve the store's volumes too (a remote store, rbd): each
+  // volume's definition is saved with its backing, and its writer holds the image's lock.
+  bool shared() const { return !store_.local(); }
+  // Throws ApiError (internal) when it cannot be saved.
+  void save_definition(const std::string& id, const std::string& text);
+  // nullopt when the store has no definition of `id` (no such volume, or it was never saved).
+  std::optional<std::string> load_definition(const std::string& id);
+
   // Waits for and takes the volume's lock. The table keeps an entry only while someone holds
   // or waits for it: ids come from clients, unknown ones included.
   VolumeLock lock(const std::string& volume_id);

@@ -110,6 +110,7 @@ Json Service::volume_create(const VolumeSpec& spec) {
   try {
     // A copy makes its backing itself (a reflink makes it whole at once).
     if (!copies || !spec.from_image.empty()) volumes_.create(v.id, v.size);
+    if (!copies) publish(v);  // a copy's is saved once its bytes are in (populate)
   } catch (...) {
     roll_back();
     throw;
@@ -162,6 +163,7 @@ std::optional<ApiError> Service::populate(const std::string& id, const std::stri
     crash_point("volume_create:filled");
     const VolumeLock lock = volumes_.lock(id);
     Database::Transaction tx(db_);
+    if (const std::optional<VolumeRow> v = tx.volume(id)) publish(*v);
     tx.delete_intent(id);
     tx.commit();
     spdlog::info("control: {} holds its copy of {}", id, what);
@@ -344,6 +346,7 @@ Json Service::volume_extend(const std::string& id, uint64_t size) {
   Json out = volume_json(tx, v);
   tx.commit();
   volumes_.refresh(id, size);
+  republish(v);
   return out;
 }
 
@@ -401,6 +404,7 @@ Json Service::volume_update(const VolumeChange& change) {
   tx.commit();
   // Every attachment's connections take it from their next request on.
   if (qos) qos_.set_volume(v.id, *qos);
+  republish(v);
   return out;
 }
 

@@ -26,6 +26,7 @@ void make_writer(VolumeRow& v, const std::string& attachment_id, const std::stri
 void Service::load_write_access(Database::Transaction& tx) {
   for (VolumeRow v : tx.volumes()) {
     const std::vector<AttachmentRow> attachments = tx.attachments(v.id);
+    bool unclaimed = false;  // a shared store's lock that could not be taken back
     if (!v.writer.empty()) {
       bool writer_live = false;
       for (const AttachmentRow& a : attachments) writer_live |= a.id == v.writer && may_write(a, v);
@@ -34,12 +35,15 @@ void Service::load_write_access(Database::Transaction& tx) {
                      v.writer);
         make_writer(v, "", now_iso());
         tx.update_volume(v);
+      } else {
+        unclaimed = !reclaim_shared_writer(tx, v);
       }
     }
     for (const AttachmentRow& a : attachments) {
       // One the journal still holds revoked (the database could not record it) gets none.
       if (is_live(a.attach_status)) {
-        exports_.set_write_access(a.id, may_write(a, v) && !exports_.is_revoked(a.id));
+        exports_.set_write_access(a.id,
+                                  may_write(a, v) && !exports_.is_revoked(a.id) && !unclaimed);
       }
     }
   }
@@ -90,6 +94,9 @@ Json Service::volume_takeover(const std::string& volume_id, const std::string& a
     }
     if (!v.writer.empty()) old = tx.attachment(v.writer);
   }
+  // A writer on another gateway of a shared store is cut off by the cluster before anything
+  // changes here; one on this gateway leaves the lock with us (docs/scale-out.md).
+  const std::string fenced = fence_shared_writer(v);
   const std::string old_id = v.writer;
   // The fence: from here on no change of the old writer runs, and none that it had sent
   // is still running; then everything acknowledged so far is made durable.
@@ -131,7 +138,8 @@ Json Service::volume_takeover(const std::string& volume_id, const std::string& a
   return Json{{"writer", a.id},
               {"fencing_generation", v.fencing_generation},
               {"writer_since", v.writer_since},
-              {"previous_writer", old_id.empty() ? Json(nullptr) : Json(old_id)}};
+              {"previous_writer", old_id.empty() ? Json(nullptr) : Json(old_id)},
+              {"fenced_gateway", fenced.empty() ? Json(nullptr) : Json(fenced)}};
 }
 
 Json Service::change_mode(const std::string& id, backend::AttachMode mode) {
@@ -160,8 +168,12 @@ Json Service::change_mode(const std::string& id, backend::AttachMode mode) {
     exports_.cut_subscribers(a.id);
     flush_volume(v, "attachment " + a.id + " no longer writes");
     a.write_access_since.clear();
-    if (v.writer == a.id) make_writer(v, "", now);
-  } else if (v.writer_policy == WriterPolicy::Single && v.writer.empty()) {
+    if (v.writer == a.id) {
+      make_writer(v, "", now);
+      release_shared_writer(v);
+    }
+  } else if (v.writer_policy == WriterPolicy::Single && v.writer.empty() &&
+             claim_shared_writer(v)) {
     make_writer(v, a.id, now);
     a.write_access_since = now;
   } else if (v.writer_policy == WriterPolicy::Multi) {

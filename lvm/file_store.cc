@@ -138,6 +138,14 @@ StoreError VolumeStore::clone(const std::string& /*from*/, const std::string& /*
   return StoreError::from_errno(ENOTSUP, "clone");
 }
 
+StoreError VolumeStore::save_definition(const std::string& /*id*/, const std::string& /*text*/) {
+  return {};
+}
+
+StoreError VolumeStore::load_definition(const std::string& id, std::string& /*text*/) {
+  return StoreError::from_errno(ENOENT, "no shared definition of volume " + id);
+}
+
 std::unique_ptr<VolumeStore> make_file_store(const std::string& dir, bool preallocate,
                                              StoreError& error) {
   std::error_code ec;

@@ -63,6 +63,13 @@ class VolumeStore {
   // where the store or its file system cannot: the caller then creates `to` and copies
   // (copy_volume). EEXIST if `to` has backing.
   virtual StoreError clone(const std::string& from, const std::string& to, uint64_t size);
+
+  // For a store that several gateways share (not local()): a volume's definition, text the
+  // control plane writes and reads back, kept with the backing so that another gateway can
+  // serve the volume (docs/scale-out.md, "Several gateways"). A local store keeps none:
+  // saving succeeds and loading is ENOENT.
+  virtual StoreError save_definition(const std::string& id, const std::string& text);
+  virtual StoreError load_definition(const std::string& id, std::string& text);
 };
 
 // Copies the first `length` bytes of `from` into `to`, a freshly made backing that reads as

@@ -7,7 +7,9 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <cerrno>
+#include <cstdint>
 
 namespace shareblk::rbd {
 
@@ -24,6 +26,19 @@ int to_errno(int rc) {
   if (err == ETIMEDOUT || err == ESHUTDOWN || err <= 0) return EIO;
   return err;
 }
+
+namespace {
+
+// 0 or the errno of a request that ended with `rc`. librbd refuses a flush with EROFS when
+// another client holds the image's exclusive lock (a standby or read-only gateway's). With its
+// cache off nothing of this client waits to be written: each write it made was acknowledged
+// once durable, and none can have been made without the lock. So the flush holds.
+int flush_errno(ssize_t rc, bool flush) {
+  if (rc >= 0 || (flush && rc == -EROFS)) return 0;
+  return to_errno(static_cast<int>(rc));
+}
+
+}  // namespace
 
 int RbdImage::open(std::shared_ptr<Cluster> cluster, const std::string& name,
                    std::shared_ptr<RbdImage>& out) {
@@ -55,8 +70,10 @@ int RbdImage::start(Op op, uint32_t flags, uint64_t offset, uint64_t length, cha
     return ENOTSUP;
   }
   rbd_completion_t c = nullptr;
-  // No callback: the end is told through the image's eventfd and collected by poll().
-  if (int rc = rbd_aio_create_completion(tag, nullptr, &c); rc < 0) return -rc;
+  // No callback: the end is told through the image's eventfd and collected by poll(). A
+  // flush's tag is marked in its low bit (tags are pointers to aligned requests).
+  void* arg = op == Op::Flush ? static_cast<char*>(tag) + 1 : tag;
+  if (int rc = rbd_aio_create_completion(arg, nullptr, &c); rc < 0) return -rc;
   int rc = 0;
   const auto len = static_cast<size_t>(length);
   switch (op) {
@@ -95,7 +112,9 @@ size_t RbdImage::poll(Completed* out, size_t max) {
   if (n <= 0) return 0;
   for (int i = 0; i < n; ++i) {
     const ssize_t rc = rbd_aio_get_return_value(ended[i]);
-    out[i] = Completed{rbd_aio_get_arg(ended[i]), rc < 0 ? to_errno(static_cast<int>(rc)) : 0};
+    void* arg = rbd_aio_get_arg(ended[i]);
+    const bool flush = (reinterpret_cast<uintptr_t>(arg) & 1U) != 0;
+    out[i] = Completed{flush ? static_cast<char*>(arg) - 1 : arg, flush_errno(rc, flush)};
     rbd_aio_release(ended[i]);
   }
   return static_cast<size_t>(n);
@@ -117,8 +136,7 @@ int RbdImage::execute(Op op, uint32_t flags, uint64_t offset, uint64_t length, c
       rc = rbd_write(image_, offset, len, buf);
       break;
     case Op::Flush:
-      rc = rbd_flush(image_);
-      break;
+      return flush_errno(rbd_flush(image_), true);
     case Op::Trim:
       rc = rbd_discard(image_, offset, length);
       break;
@@ -199,6 +217,70 @@ int RbdImage::extents(uint64_t offset, uint64_t length, size_t max_extents,
 int RbdImage::size(uint64_t& out) {
   const int rc = rbd_get_size(image_, &out);
   return rc < 0 ? to_errno(rc) : 0;
+}
+
+// The image's exclusive lock, taken by hand: librbd then keeps it, and refuses the requests
+// of other clients for it (EROFS), where it would otherwise pass it to any client that writes.
+// Asking librbd for a lock that another client holds would have it break the lock itself
+// once that client's watch has timed out (a hung gateway): a fence that only a takeover may
+// decide. So a lock held elsewhere is not asked for.
+int RbdImage::claim_writer() {
+  if (int held_elsewhere = lock_held_elsewhere(); held_elsewhere != 0) {
+    return held_elsewhere < 0 ? to_errno(held_elsewhere) : EBUSY;
+  }
+  const int rc = rbd_lock_acquire(image_, RBD_LOCK_MODE_EXCLUSIVE);
+  if (rc == -EROFS || rc == -EBUSY) return EBUSY;  // another client holds it by hand
+  return rc < 0 ? -rc : 0;                         // EINVAL: the image has no exclusive-lock
+}
+
+int RbdImage::lock_held_elsewhere() {
+  int owner = 0;
+  if (int rc = rbd_is_exclusive_lock_owner(image_, &owner); rc < 0) return rc;
+  if (owner != 0) return 0;
+  rbd_lock_mode_t mode{};
+  std::array<char*, 4> owners{};
+  size_t count = owners.size();
+  const int rc = rbd_lock_get_owners(image_, &mode, owners.data(), &count);
+  if (rc == -ENOENT) return 0;
+  if (rc < 0) return rc;
+  rbd_lock_get_owners_cleanup(owners.data(), count);
+  return count > 0 ? 1 : 0;
+}
+
+// rbd_lock_break with rbd_blocklist_on_break_lock (forced on by the store) follows Ceph's
+// order (doc/rbd/rbd-exclusive-locks.rst): the holder's client instance is blocklisted, the
+// OSD map carrying that is awaited, and only then is its lock removed. From then on the OSDs
+// refuse every request of the old holder, including those it sent before and those a hung
+// process sends when it resumes.
+int RbdImage::fence_writer(std::string& fenced) {
+  int owner = 0;
+  if (int rc = rbd_is_exclusive_lock_owner(image_, &owner); rc < 0) return to_errno(rc);
+  if (owner == 0) {
+    rbd_lock_mode_t mode{};
+    std::array<char*, 4> owners{};
+    size_t count = owners.size();
+    const int rc = rbd_lock_get_owners(image_, &mode, owners.data(), &count);
+    if (rc == -ENOENT)
+      count = 0;  // nobody holds it
+    else if (rc < 0)
+      return to_errno(rc);
+    int err = 0;
+    for (size_t i = 0; i < count && err == 0; ++i) {
+      const int broken = rbd_lock_break(image_, RBD_LOCK_MODE_EXCLUSIVE, owners[i]);
+      if (broken < 0 && broken != -ENOENT)
+        err = to_errno(broken);
+      else
+        fenced += std::string(fenced.empty() ? "" : ", ") + owners[i];
+    }
+    if (count > 0) rbd_lock_get_owners_cleanup(owners.data(), count);
+    if (err != 0) return err;  // not fenced: no write access here
+  }
+  return claim_writer();
+}
+
+void RbdImage::release_writer() {
+  int owner = 0;
+  if (rbd_is_exclusive_lock_owner(image_, &owner) == 0 && owner != 0) rbd_lock_release(image_);
 }
 
 }  // namespace shareblk::rbd

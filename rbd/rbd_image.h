@@ -48,9 +48,15 @@ class RbdImage final : public backend::RemoteImage {
               std::vector<backend::Extent>& out) override;
   int size(uint64_t& out) override;
   bool writable() const override { return true; }
+  int claim_writer() override;
+  int fence_writer(std::string& fenced) override;
+  void release_writer() override;
 
  private:
   RbdImage() = default;
+  // 1 when a client other than this image's holds its exclusive lock, 0 when none does, or
+  // a librbd error (< 0).
+  int lock_held_elsewhere();
   std::shared_ptr<Cluster> cluster_;
   rbd_image_t image_ = nullptr;
   int event_fd_ = -1;

@@ -14,6 +14,8 @@ namespace shareblk::rbd {
 namespace {
 
 constexpr const char* kPrefix = "volume-";
+// The image metadata key that holds a volume's definition (save_definition).
+constexpr const char* kDefinitionKey = "shareblk.volume";
 
 lvm::StoreError failure(int rc, const std::string& what) {
   return lvm::StoreError::from_errno(-rc, what);
@@ -128,6 +130,38 @@ class RbdVolumeStore final : public lvm::VolumeStore {
     return {};
   }
 
+  // In the image's own metadata: it goes with the image, and librbd sends the write to the
+  // gateway holding the image's lock, if another does.
+  lvm::StoreError save_definition(const std::string& id, const std::string& text) override {
+    const std::string name = image_name(id);
+    ScopedImage image;
+    if (int rc = rbd_open(cluster_->io, name.c_str(), &image.image, nullptr); rc < 0) {
+      return failure(rc, "open RBD image " + where(name));
+    }
+    if (int rc = rbd_metadata_set(image.image, kDefinitionKey, text.c_str()); rc < 0) {
+      return failure(rc, "record the volume's definition in RBD image " + where(name));
+    }
+    return {};
+  }
+
+  lvm::StoreError load_definition(const std::string& id, std::string& text) override {
+    const std::string name = image_name(id);
+    ScopedImage image;
+    if (int rc = rbd_open_read_only(cluster_->io, name.c_str(), &image.image, nullptr); rc < 0) {
+      return failure(rc, "open RBD image " + where(name));
+    }
+    std::string value(4096, '\0');
+    size_t length = value.size();
+    int rc = 0;
+    while ((rc = rbd_metadata_get(image.image, kDefinitionKey, value.data(), &length)) == -ERANGE) {
+      value.resize(length);
+    }
+    if (rc < 0) return failure(rc, "the volume's definition in RBD image " + where(name));
+    value.resize(length > 0 ? length - 1 : 0);  // the length counts the final NUL
+    text = std::move(value);
+    return {};
+  }
+
  private:
   static std::string image_name(const std::string& id) { return kPrefix + id; }
   std::string where(const std::string& name) const { return cluster_->pool + "/" + name; }
@@ -172,6 +206,9 @@ std::unique_ptr<lvm::VolumeStore> make_rbd_store(const ClusterOptions& options,
   }
   // librbd's cache off: a write is acknowledged once the OSDs have it durable (rbd_store.h).
   rados_conf_set(cluster->rados, "rbd_cache", "false");
+  // A takeover's break of another gateway's lock blocklists it first: the fence
+  // (RbdImage::fence_writer).
+  rados_conf_set(cluster->rados, "rbd_blocklist_on_break_lock", "true");
   if (int rc = rados_connect(cluster->rados); rc < 0) {
     const std::string mons = conf_value(cluster->rados, "mon_host");
     error = failure(rc, "connect to the Ceph cluster at " +

@@ -1,0 +1,226 @@
+// Two gateways (two shareblkd, each with its own state and listeners: two hosts) serving the
+// volumes of one RBD pool on a real cluster (ceph_cluster.h). A volume made through one is
+// served by the other; a single-writer volume's writer is backed by the image's exclusive
+// lock, and a takeover on the other gateway has the cluster fence the old one, so that a hung
+// gateway's late writes never reach the image (docs/scale-out.md).
+#include <gtest/gtest.h>
+#include <libnbd.h>
+#include <signal.h>
+
+#include <chrono>
+#include <memory>
+#include <string>
+#include <thread>
+
+#include "tests/ceph_cluster.h"
+#include "tests/control_client.h"
+#include "tests/nbd_client.h"
+#include "tests/support.h"
+
+namespace shareblk::testing {
+namespace {
+
+using Json = nlohmann::json;
+
+std::string pattern(size_t length, int seed) {
+  std::string s(length, '\0');
+  for (size_t i = 0; i < length; ++i) s[i] = static_cast<char>((i * 31 + seed) % 251);
+  return s;
+}
+
+class RbdGateways : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    if (!CephCluster::missing_programs().empty()) return;
+    ceph_ = new CephCluster();
+    why_down_ = ceph_->start();
+  }
+  static void TearDownTestSuite() {
+    delete ceph_;
+    ceph_ = nullptr;
+  }
+
+  void SetUp() override {
+    const std::string missing = CephCluster::missing_programs();
+    SHAREBLK_REQUIRE(missing.empty(),
+                     "the RBD store's tests need " + missing + " (ceph-mon ceph-osd ceph-common)");
+    ASSERT_TRUE(why_down_.empty()) << why_down_;
+    for (int g = 0; g < 2; ++g) gateway_[g] = start(g);
+  }
+
+  std::unique_ptr<Daemon> start(int g) {
+    const std::string name = "gw" + std::to_string(g + 1);
+    return std::make_unique<Daemon>(
+        std::vector<std::string>{"--state-dir", dir_ / name, "--store", "rbd:" + ceph_->pool(),
+                                 "--ceph-conf", ceph_->conf_path(), "--listen-unix",
+                                 dir_ / (name + ".nbd"), "--workers", "1", "--ceph-timeout", "10"},
+        socket(g));
+  }
+  std::string socket(int g) const {
+    return dir_ / ("gw" + std::to_string(g + 1) + "/shareblk.sock");
+  }
+  Json attach(int g, const std::string& volume, const std::string& host, const std::string& mode) {
+    return rpc_ok(socket(g), "attachment_create",
+                  {{"volume_id", volume},
+                   {"instance_uuid", host},
+                   {"mode", mode},
+                   {"connector", {{"host", host}, {"transport", "unix"}}}});
+  }
+  static NbdHandle open_nbd(const Json& attachment) {
+    return nbd_connect(attachment["connection_info"]["data"]["uri"].get<std::string>(), nullptr,
+                       NbdOptions{false, false});
+  }
+  // `length` bytes at `offset` of the volume's image, as the cluster has them.
+  std::string image_bytes(const std::string& id, uint64_t offset, size_t length) const {
+    const std::string out = dir_ / ("export-" + id);
+    std::filesystem::remove(out);
+    RunResult r =
+        run({"rbd", "-c", ceph_->conf_path(), "export", ceph_->pool() + "/volume-" + id, out},
+            std::chrono::seconds(60));
+    if (r.status != 0) return "rbd export failed: " + r.output;
+    return read_file(out, offset, length);
+  }
+
+  static CephCluster* ceph_;
+  static std::string why_down_;
+  TempDir dir_;
+  std::unique_ptr<Daemon> gateway_[2];
+};
+
+CephCluster* RbdGateways::ceph_ = nullptr;
+std::string RbdGateways::why_down_;
+
+// A volume made through gateway 1 is served by gateway 2, which learns it from the image; its
+// one writer holds across the two: gateway 2's read-write attachment stays a standby while
+// gateway 1's writer holds the image's lock, and takes over without fencing anyone once that
+// writer is detached.
+TEST_F(RbdGateways, AVolumeIsServedByBothAndItsOneWriterHoldsAcrossThem) {
+  const Json v = rpc_ok(
+      socket(0), "volume_create",
+      {{"name", "shared"}, {"size", "8M"}, {"multiattach", true}, {"writer_policy", "single"}});
+  const std::string id = v["id"];
+  const Json shown = rpc_ok(socket(1), "volume_show", {{"volume_id", id}});
+  EXPECT_EQ(shown["name"], "shared") << shown.dump();
+  EXPECT_EQ(shown["size"], 8 << 20);
+  EXPECT_EQ(shown["writer_policy"], "single");
+
+  const Json writer = attach(0, id, "host-a", "rw");
+  EXPECT_EQ(writer["write_access"], true) << writer.dump();
+  const Json standby = attach(1, id, "host-b", "rw");
+  EXPECT_EQ(standby["write_access"], false) << standby.dump();
+
+  NbdHandle a = open_nbd(writer);
+  NbdHandle b = open_nbd(standby);
+  ASSERT_TRUE(a && b) << nbd_get_error();
+  const std::string one = pattern(4096, 1);
+  ASSERT_EQ(nbd_pwrite(a.get(), one.data(), one.size(), 0, LIBNBD_CMD_FLAG_FUA), 0)
+      << nbd_get_error();
+  EXPECT_EQ(nbd_pwrite(b.get(), one.data(), one.size(), 4096, 0), -1);
+  EXPECT_EQ(nbd_get_errno(), EPERM) << nbd_get_error();
+  std::string back(4096, '\0');
+  ASSERT_EQ(nbd_pread(b.get(), back.data(), back.size(), 0, 0), 0) << nbd_get_error();
+  EXPECT_TRUE(back == one);
+
+  rpc_ok(socket(0), "attachment_delete", {{"attachment_id", writer["id"]}});
+  const Json took =
+      rpc_ok(socket(1), "volume_takeover", {{"volume_id", id}, {"attachment_id", standby["id"]}});
+  EXPECT_EQ(took["writer"], standby["id"]) << took.dump();
+  NbdHandle b2 = open_nbd(standby);
+  ASSERT_TRUE(b2) << nbd_get_error();
+  const std::string two = pattern(4096, 2);
+  ASSERT_EQ(nbd_pwrite(b2.get(), two.data(), two.size(), 4096, LIBNBD_CMD_FLAG_FUA), 0)
+      << nbd_get_error();
+  EXPECT_TRUE(image_bytes(id, 4096, 4096) == two);
+  EXPECT_TRUE(took["fenced_gateway"].is_null()) << took.dump();
+
+  // Gateway 1 was not fenced: it still serves.
+  const Json reader = attach(0, id, "host-c", "ro");
+  NbdHandle c = open_nbd(reader);
+  ASSERT_TRUE(c) << nbd_get_error();
+  ASSERT_EQ(nbd_pread(c.get(), back.data(), back.size(), 4096, 0), 0) << nbd_get_error();
+  EXPECT_TRUE(back == two);
+  for (auto& g : gateway_) EXPECT_EQ(g->stop(SIGTERM), 0) << g->log();
+}
+
+// The case: a volume attached read-write through gateway 1 (its writer) and read-only
+// through gateway 2; gateway 1 hangs (SIGSTOP) with writes sent to it; gateway 2's attachment
+// becomes read-write and takes over. When gateway 1 resumes, none of the writes it got while
+// hung reach the image (the OSDs refuse its requests: it is blocklisted), and every write it
+// acknowledged before is there.
+TEST_F(RbdGateways, ATakeoverFencesAHungGatewaySoItsLateWritesNeverLand) {
+  const std::string id = rpc_ok(socket(0), "volume_create",
+                                {{"name", "quorum"},
+                                 {"size", "8M"},
+                                 {"multiattach", true},
+                                 {"writer_policy", "single"}})["id"];
+  const Json writer = attach(0, id, "host-a", "rw");
+  const Json reader = attach(1, id, "host-b", "ro");
+  NbdHandle a = open_nbd(writer);
+  ASSERT_TRUE(a) << nbd_get_error();
+  constexpr int kAcked = 16;  // blocks 0..15, acknowledged before the hang
+  for (int i = 0; i < kAcked; ++i) {
+    const std::string block = pattern(4096, 100 + i);
+    ASSERT_EQ(nbd_pwrite(a.get(), block.data(), block.size(), i * 4096ULL, 0), 0)
+        << nbd_get_error();
+  }
+
+  // Gateway 1 hangs; its client goes on writing blocks 16..31 (they wait in its socket).
+  ASSERT_EQ(::kill(gateway_[0]->pid(), SIGSTOP), 0);
+  std::vector<int64_t> late;
+  std::vector<std::string> late_blocks;  // libnbd sends from them until each is answered
+  late_blocks.reserve(16);
+  for (int i = 0; i < 16; ++i) {
+    const std::string& block = late_blocks.emplace_back(pattern(4096, 200 + i));
+    late.push_back(nbd_aio_pwrite(a.get(), block.data(), block.size(), (kAcked + i) * 4096ULL,
+                                  NBD_NULL_COMPLETION, LIBNBD_CMD_FLAG_FUA));
+    ASSERT_GT(late.back(), 0) << nbd_get_error();
+  }
+  for (int i = 0; i < 50; ++i) nbd_poll(a.get(), 10);  // sends them; no reply can come
+
+  rpc_ok(socket(1), "attachment_update", {{"attachment_id", reader["id"]}, {"mode", "rw"}});
+  const auto begin = std::chrono::steady_clock::now();
+  const Json took =
+      rpc_ok(socket(1), "volume_takeover", {{"volume_id", id}, {"attachment_id", reader["id"]}});
+  const auto took_for = std::chrono::steady_clock::now() - begin;
+  EXPECT_EQ(took["writer"], reader["id"]) << took.dump();
+  EXPECT_LT(took_for, std::chrono::seconds(10));
+  EXPECT_TRUE(took["fenced_gateway"].is_string()) << took.dump();  // gateway 1's client
+  NbdHandle b = open_nbd(reader);
+  ASSERT_TRUE(b) << nbd_get_error();
+  const std::string mine = pattern(4096, 7);
+  ASSERT_EQ(nbd_pwrite(b.get(), mine.data(), mine.size(), 40 * 4096ULL, LIBNBD_CMD_FLAG_FUA), 0)
+      << nbd_get_error();
+
+  // Gateway 1 resumes: every write it got while hung fails, and so does what follows.
+  ASSERT_EQ(::kill(gateway_[0]->pid(), SIGCONT), 0);
+  for (int64_t cookie : late) {
+    int rc = 0;
+    for (int i = 0; i < 3000 && (rc = nbd_aio_command_completed(a.get(), cookie)) == 0; ++i) {
+      nbd_poll(a.get(), 10);
+    }
+    EXPECT_EQ(rc, -1) << "a write gateway 1 got while hung was acknowledged";
+  }
+  const std::string after = pattern(4096, 9);
+  EXPECT_EQ(nbd_pwrite(a.get(), after.data(), after.size(), 41 * 4096ULL, 0), -1);
+
+  for (int i = 0; i < kAcked; ++i) {
+    EXPECT_TRUE(image_bytes(id, i * 4096ULL, 4096) == pattern(4096, 100 + i)) << "block " << i;
+  }
+  EXPECT_EQ(image_bytes(id, kAcked * 4096ULL, 16 * 4096), std::string(16 * 4096, '\0'));
+  EXPECT_TRUE(image_bytes(id, 40 * 4096ULL, 4096) == mine);
+  EXPECT_EQ(image_bytes(id, 41 * 4096ULL, 4096), std::string(4096, '\0'));
+  a.reset();
+  gateway_[0]->stop(SIGTERM);  // fenced: whatever its exit says
+
+  // Restarted (a new cluster client, not blocklisted), gateway 1 finds the lock taken: its old
+  // writer stays attached without write access, and the volume has no writer there.
+  gateway_[0] = start(0);
+  const Json v = rpc_ok(socket(0), "volume_show", {{"volume_id", id}});
+  EXPECT_TRUE(v["writer"].is_null()) << v.dump();
+  const Json old = rpc_ok(socket(0), "attachment_show", {{"attachment_id", writer["id"]}});
+  EXPECT_EQ(old["write_access"], false) << old.dump();
+  for (auto& g : gateway_) EXPECT_EQ(g->stop(SIGTERM), 0) << g->log();
+}
+
+}  // namespace
+}  // namespace shareblk::testing
