@@ -168,6 +168,7 @@ Json Service::attachment_create(const AttachmentSpec& spec) {
   if (becomes_writer) {
     spdlog::info("control: volume {}: writer (none) -> {} (generation {})", v.id, a.id,
                  v.fencing_generation);
+    republish(v);
   }
   return attachment_json(a, v);
 }
@@ -269,7 +270,9 @@ Json Service::detach(const std::string& volume_id, const std::string& attachment
   const bool was_writer = v.writer == a.id;
   if (was_writer) {
     make_writer(v, "", a.detach_time);
-    release_shared_writer(v);  // its writes are drained: another gateway may take the lock
+    // Its writes are drained: another gateway may take the lock, once the record says so.
+    republish(v);
+    release_shared_writer(v);
   }
   Json out;
   try {

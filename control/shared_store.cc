@@ -20,6 +20,11 @@ std::string definition_of(const VolumeRow& v) {
          {"writer_policy", std::string(to_string(v.writer_policy))},
          {"created_at", v.created_at}};
   if (!v.qos.empty()) d["qos"] = v.qos;
+  // Who was made the writer last, on whichever gateway: a gateway that restarts with another
+  // writer on record was taken over while it was down or hung (reclaim_shared_writer).
+  if (v.writer_policy == WriterPolicy::Single) {
+    d["writer"] = v.writer.empty() ? Json(nullptr) : Json(v.writer);
+  }
   return d.dump();
 }
 
@@ -123,7 +128,12 @@ std::string Service::fence_shared_writer(const VolumeRow& v) {
 
 bool Service::reclaim_shared_writer(Database::Transaction& tx, VolumeRow& v) {
   try {
-    if (claim_shared_writer(v)) return true;
+    // The lock may be free again (the new writer detached): the record still tells.
+    const std::optional<std::string> text =
+        volumes_.shared() ? volumes_.load_definition(v.id) : std::nullopt;
+    const Json d = text ? Json::parse(*text, nullptr, false) : Json();
+    const bool taken_over = d.is_object() && d.contains("writer") && d["writer"] != v.writer;
+    if (!taken_over && claim_shared_writer(v)) return true;
     spdlog::warn("control: volume {}: writer {} was taken over by another gateway; no writer now",
                  v.id, v.writer);
     make_writer(v, "", now_iso());

@@ -121,6 +121,12 @@ TEST_F(RbdGateways, AVolumeIsServedByBothAndItsOneWriterHoldsAcrossThem) {
   ASSERT_EQ(nbd_pread(b.get(), back.data(), back.size(), 0, 0), 0) << nbd_get_error();
   EXPECT_TRUE(back == one);
 
+  // The image's lock held by hand does not stand in the way of growing the volume or
+  // changing its definition, from either gateway.
+  rpc_ok(socket(0), "volume_extend", {{"volume_id", id}, {"size", "16M"}});
+  rpc_ok(socket(0), "volume_update", {{"volume_id", id}, {"name", "renamed"}});
+  EXPECT_EQ(gateway_[0]->log().find("former definition"), std::string::npos);
+
   rpc_ok(socket(0), "attachment_delete", {{"attachment_id", writer["id"]}});
   const Json took =
       rpc_ok(socket(1), "volume_takeover", {{"volume_id", id}, {"attachment_id", standby["id"]}});
@@ -164,8 +170,9 @@ TEST_F(RbdGateways, ATakeoverFencesAHungGatewaySoItsLateWritesNeverLand) {
         << nbd_get_error();
   }
 
-  // Gateway 1 hangs; its client goes on writing blocks 16..31 (they wait in its socket).
-  ASSERT_EQ(::kill(gateway_[0]->pid(), SIGSTOP), 0);
+  // Gateway 1 hangs (every thread stopped); its client goes on writing blocks 16..31 (they
+  // wait in its socket).
+  CephCluster::Frozen hung(gateway_[0]->pid());
   std::vector<int64_t> late;
   std::vector<std::string> late_blocks;  // libnbd sends from them until each is answered
   late_blocks.reserve(16);
@@ -192,7 +199,7 @@ TEST_F(RbdGateways, ATakeoverFencesAHungGatewaySoItsLateWritesNeverLand) {
       << nbd_get_error();
 
   // Gateway 1 resumes: every write it got while hung fails, and so does what follows.
-  ASSERT_EQ(::kill(gateway_[0]->pid(), SIGCONT), 0);
+  hung.reset();
   for (int64_t cookie : late) {
     int rc = 0;
     for (int i = 0; i < 3000 && (rc = nbd_aio_command_completed(a.get(), cookie)) == 0; ++i) {
@@ -212,8 +219,11 @@ TEST_F(RbdGateways, ATakeoverFencesAHungGatewaySoItsLateWritesNeverLand) {
   a.reset();
   gateway_[0]->stop(SIGTERM);  // fenced: whatever its exit says
 
-  // Restarted (a new cluster client, not blocklisted), gateway 1 finds the lock taken: its old
-  // writer stays attached without write access, and the volume has no writer there.
+  // Restarted (a new cluster client, not blocklisted), gateway 1 finds its writer taken over:
+  // it stays attached without write access, and the volume has no writer there; so too when
+  // the new writer has gone and left the image's lock free.
+  b.reset();
+  rpc_ok(socket(1), "attachment_delete", {{"attachment_id", reader["id"]}});
   gateway_[0] = start(0);
   const Json v = rpc_ok(socket(0), "volume_show", {{"volume_id", id}});
   EXPECT_TRUE(v["writer"].is_null()) << v.dump();
