@@ -108,39 +108,58 @@ Json Service::attachment_create(const AttachmentSpec& spec) {
   Database::Transaction tx(db_);
   VolumeRow v = find_volume(tx, spec.volume_id);
   refuse_unusable(tx, v, "attached");
-  std::vector<AttachmentRow> current;
+  std::vector<AttachmentRow> local;
   for (auto& other : tx.attachments(spec.volume_id)) {
-    if (is_live(other.attach_status)) current.push_back(std::move(other));
-  }
-  refuse_duplicate(current, a, a.attached_host);
-  // The same instance may attach a volume that is not multiattach once more, from another
-  // host: a live migration holds both hosts' attachments until the old one is deleted
-  // (Cinder's _attachment_reserve allows exactly this). It is not a second user.
-  const bool same_instance = std::all_of(
-      current.begin(), current.end(),
-      [&](const AttachmentRow& other) { return other.instance_uuid == a.instance_uuid; });
-  if (!current.empty() && !(same_instance && !v.multiattach)) {
-    if (!v.multiattach) {
-      throw ApiError("not_multiattach", "volume " + v.id + " is attached (" + current.front().id +
-                                            ") and is not multiattach");
-    }
-    if (!policy().allow_multiattach) {
-      throw ApiError("policy_denied", "policy forbids multiattach");
-    }
-    if (v.bootable && !policy().allow_multiattach_bootable) {
-      throw ApiError("policy_denied", "policy forbids attaching a bootable volume twice");
-    }
+    if (is_live(other.attach_status)) local.push_back(std::move(other));
   }
   a.id = new_uuid();
   a.export_name = random_hex(16);  // 128 random bits: the name is the capability
   a.attach_status = AttachStatus::Reserved;
   a.created_at = now_iso();
+  // In a shared store the rules count the other gateways' attachments too, and this one
+  // joins their record only if no other gateway changed it since it was read.
+  for (int attempt = 0;; ++attempt) {
+    const SharedAttachments shared = read_shared(v.id);
+    std::vector<AttachmentRow> current = local;
+    for (AttachmentRow& other : elsewhere(shared)) current.push_back(std::move(other));
+    refuse_duplicate(current, a, a.attached_host);
+    // The same instance may attach a volume that is not multiattach once more, from another
+    // host: a live migration holds both hosts' attachments until the old one is deleted
+    // (Cinder's _attachment_reserve allows exactly this). It is not a second user.
+    const bool same_instance = std::all_of(
+        current.begin(), current.end(),
+        [&](const AttachmentRow& other) { return other.instance_uuid == a.instance_uuid; });
+    if (!current.empty() && !(same_instance && !v.multiattach)) {
+      if (!v.multiattach) {
+        throw ApiError("not_multiattach", "volume " + v.id + " is attached (" + current.front().id +
+                                              ") and is not multiattach");
+      }
+      if (!policy().allow_multiattach) {
+        throw ApiError("policy_denied", "policy forbids multiattach");
+      }
+      if (v.bootable && !policy().allow_multiattach_bootable) {
+        throw ApiError("policy_denied", "policy forbids attaching a bootable volume twice");
+      }
+    }
+    if (!volumes_.shared() || add_shared(v.id, shared, a)) break;
+    if (attempt == 20) {
+      throw ApiError("volume_busy", "volume " + v.id +
+                                        ": the gateways' record of its attachments kept "
+                                        "changing; try again");
+    }
+  }
   // The first read-write attachment of a single-writer volume without one is its writer; the
   // others are standbys until a takeover (docs/fencing.md).
   // In a shared store the writer may be another gateway's, which holds the image's lock.
-  const bool becomes_writer = a.mode == backend::AttachMode::ReadWrite &&
-                              v.writer_policy == WriterPolicy::Single && v.writer.empty() &&
-                              claim_shared_writer(v);
+  bool becomes_writer = false;
+  try {
+    becomes_writer = a.mode == backend::AttachMode::ReadWrite &&
+                     v.writer_policy == WriterPolicy::Single && v.writer.empty() &&
+                     claim_shared_writer(v);
+  } catch (...) {
+    remove_shared(v.id, a.id);
+    throw;
+  }
   if (becomes_writer) make_writer(v, a.id, a.created_at);
   if (may_write(a, v)) a.write_access_since = a.created_at;
   // Unreachable until committed: no export of it resolves before that.
@@ -158,6 +177,7 @@ Json Service::attachment_create(const AttachmentSpec& spec) {
     exports_.forget_write_access(a.id);
     qos_.forget_attachment(a.id);
     if (becomes_writer) release_shared_writer(v);
+    remove_shared(v.id, a.id);
     throw;
   }
   spdlog::info("control: attachment {} of volume {} for {} ({}, {}{})", a.id, v.id,
@@ -264,6 +284,7 @@ Json Service::detach(const std::string& volume_id, const std::string& attachment
     }
   }
   const bool lazy = exports_.revoke(a.id);
+  remove_shared(volume_id, a.id);  // the other gateways may count without it now
   a.attach_status = transition(a.id, a.attach_status, AttachEvent::Finish);
   a.detach_time = now_iso();
   a.write_access_since.clear();
@@ -275,11 +296,15 @@ Json Service::detach(const std::string& volume_id, const std::string& attachment
     release_shared_writer(v);
   }
   Json out;
+  bool idle = false;  // no live attachment of the volume is left here
   try {
     Database::Transaction tx(db_);
     tx.update_attachment(a);
     if (was_writer) tx.update_volume(v);
     out = attachment_json(a, v);
+    const auto attachments = tx.attachments(volume_id);
+    idle = std::none_of(attachments.begin(), attachments.end(),
+                        [](const AttachmentRow& other) { return is_live(other.attach_status); });
     tx.commit();
   } catch (const DbError& e) {
     throw ApiError(e.disk_full() ? "no_space" : "internal",
@@ -291,6 +316,8 @@ Json Service::detach(const std::string& volume_id, const std::string& attachment
                                   : "; it stays revoked until the daemon stops"));
   }
   journal_.clear(a.id);
+  // Another gateway may delete the volume once no gateway has its image open.
+  if (idle && volumes_.shared()) volumes_.close(volume_id);
   exports_.forget_revoked(a.id);
   exports_.forget_write_access(a.id);
   qos_.forget_attachment(a.id);

@@ -157,6 +157,24 @@ class Service {
   // Returns the fenced gateway's client as the cluster names it, "" for none.
   std::string fence_shared_writer(const VolumeRow& v);
   void release_shared_writer(const VolumeRow& v);
+  // The attachments of a volume across the gateways of a shared store (docs/scale-out.md,
+  // "Attachments across gateways"): the record's version and its entries, by attachment id.
+  struct SharedAttachments {
+    uint64_t version = 0;
+    Json entries = Json::object();
+  };
+  // Empty for a store that is not shared. Throws ApiError (internal).
+  SharedAttachments read_shared(const std::string& volume_id);
+  // The other gateways' entries, as rows that the attachment rules count.
+  std::vector<AttachmentRow> elsewhere(const SharedAttachments& shared) const;
+  // Adds `a` (this gateway's) to the record read as `shared`; false when another gateway
+  // changed it since. Throws ApiError (internal).
+  bool add_shared(const std::string& volume_id, const SharedAttachments& shared,
+                  const AttachmentRow& a);
+  // Takes the attachment out of the record; a failure is logged (the next start prunes it).
+  void remove_shared(const std::string& volume_id, const std::string& attachment_id);
+  // At start: this gateway's entries whose attachments are no longer live here go.
+  void prune_shared();
   // At start, for a writer recorded here: takes the lock back. Another gateway took it over
   // meanwhile: no writer now (recorded in `tx`). False when the cluster could not say: the
   // writer keeps its place, without write access until a takeover or the next start.
@@ -253,6 +271,9 @@ class Service {
   // The database's directory: the daemon's state directory (--state-dir), where no FUSE
   // attachment may be mounted.
   std::filesystem::path state_dir_;
+  // This gateway's name in the records of a shared store: STATE_DIR/gateway-id, made at the
+  // first start (docs/state.md).
+  std::string gateway_id_;
   const std::chrono::system_clock::time_point started_ = std::chrono::system_clock::now();
   std::atomic<uint64_t> refused_unknown_{0};
   std::atomic<uint64_t> refused_by_binding_{0};
@@ -275,6 +296,9 @@ void make_writer(VolumeRow& v, const std::string& attachment_id, const std::stri
 std::string new_uuid();
 std::string random_hex(size_t bytes);
 std::string now_iso();  // UTC, ISO 8601 with microseconds: sorts as it happened
+// The gateway's id in `state_dir` (the file gateway-id), made at the first call; throws
+// std::runtime_error when it can be neither read nor made.
+std::string gateway_id(const std::filesystem::path& state_dir);
 // A path as mountpoints are compared: absolute, with the symlinks of its existing part
 // resolved, no "." or "..", no trailing "/".
 std::filesystem::path comparable_path(const std::filesystem::path& path);

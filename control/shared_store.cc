@@ -5,6 +5,8 @@
 #include <spdlog/spdlog.h>
 
 #include <cstring>
+#include <fstream>
+#include <set>
 
 #include "control/service.h"
 
@@ -51,6 +53,25 @@ std::optional<VolumeRow> volume_of_definition(const std::string& id, const std::
 }
 
 }  // namespace
+
+std::string gateway_id(const std::filesystem::path& state_dir) {
+  const std::filesystem::path path = state_dir / "gateway-id";
+  std::string id;
+  if (std::ifstream in(path); in >> id && !id.empty()) return id;
+  id = new_uuid();
+  const std::filesystem::path aside = path.string() + ".new";
+  {
+    std::ofstream out(aside, std::ios::trunc);
+    out << id << "\n";
+    out.flush();
+    if (!out) throw std::runtime_error("cannot write " + aside.string());
+  }
+  std::error_code ec;
+  std::filesystem::rename(aside, path, ec);
+  if (ec) throw std::runtime_error("cannot make " + path.string() + ": " + ec.message());
+  spdlog::info("control: this gateway is {} in the shared store's records", id);
+  return id;
+}
 
 void Service::publish(const VolumeRow& v) {
   if (volumes_.shared()) volumes_.save_definition(v.id, definition_of(v));
@@ -150,6 +171,103 @@ void Service::release_shared_writer(const VolumeRow& v) {
   if (!volumes_.shared() || v.writer_policy != WriterPolicy::Single) return;
   const auto volume = volumes_.open(v.id, v.size);
   if (backend::RemoteImage* image = shared_image(volume)) image->release_writer();
+}
+
+Service::SharedAttachments Service::read_shared(const std::string& volume_id) {
+  SharedAttachments shared;
+  if (!volumes_.shared()) return shared;
+  std::string text;
+  volumes_.read_record(volume_id, text, shared.version);
+  if (text.empty()) return shared;
+  const Json record = Json::parse(text, nullptr, false);
+  if (!record.is_object() || !record.contains("attachments") ||
+      !record["attachments"].is_object()) {
+    throw ApiError("internal", "volume " + volume_id + ": the gateways' record cannot be read");
+  }
+  shared.entries = record["attachments"];
+  return shared;
+}
+
+std::vector<AttachmentRow> Service::elsewhere(const SharedAttachments& shared) const {
+  std::vector<AttachmentRow> rows;
+  for (const auto& [id, entry] : shared.entries.items()) {
+    if (!entry.is_object() || entry.value("gateway", "") == gateway_id_) continue;
+    AttachmentRow row;
+    row.id = id;
+    row.instance_uuid = entry.value("instance_uuid", "");
+    row.attached_host = entry.value("attached_host", "");
+    row.mode = entry.value("mode", "rw") == "ro" ? backend::AttachMode::ReadOnly
+                                                 : backend::AttachMode::ReadWrite;
+    row.attach_status = AttachStatus::Attached;  // live, as far as this gateway can tell
+    rows.push_back(std::move(row));
+  }
+  return rows;
+}
+
+bool Service::add_shared(const std::string& volume_id, const SharedAttachments& shared,
+                         const AttachmentRow& a) {
+  Json entries = shared.entries;
+  entries[a.id] = {{"gateway", gateway_id_},
+                   {"instance_uuid", a.instance_uuid},
+                   {"attached_host", a.attached_host},
+                   {"mode", std::string(to_string(a.mode))},
+                   {"created_at", a.created_at}};
+  return volumes_.write_record(volume_id, Json{{"attachments", entries}}.dump(), shared.version);
+}
+
+void Service::remove_shared(const std::string& volume_id, const std::string& attachment_id) {
+  if (!volumes_.shared()) return;
+  try {
+    for (int attempt = 0; attempt < 20; ++attempt) {
+      SharedAttachments shared = read_shared(volume_id);
+      if (!shared.entries.contains(attachment_id)) return;
+      shared.entries.erase(attachment_id);
+      if (volumes_.write_record(volume_id, Json{{"attachments", shared.entries}}.dump(),
+                                shared.version)) {
+        return;
+      }
+    }
+    spdlog::error(
+        "control: volume {}: attachment {} stays in the gateways' record: it kept "
+        "changing under us; the next start takes it out",
+        volume_id, attachment_id);
+  } catch (const ApiError& e) {
+    spdlog::error("control: {}; attachment {} stays in it until the next start", e.what(),
+                  attachment_id);
+  }
+}
+
+void Service::prune_shared() {
+  if (!volumes_.shared()) return;
+  std::vector<std::pair<std::string, std::vector<std::string>>> stale;  // volume, attachments
+  {
+    Database::Transaction tx(db_);
+    for (const VolumeRow& v : tx.volumes()) {
+      std::set<std::string> live;
+      for (const AttachmentRow& a : tx.attachments(v.id)) {
+        if (is_live(a.attach_status)) live.insert(a.id);
+      }
+      try {
+        const SharedAttachments shared = read_shared(v.id);
+        std::vector<std::string> gone;
+        for (const auto& [id, entry] : shared.entries.items()) {
+          if (entry.value("gateway", "") == gateway_id_ && live.count(id) == 0) gone.push_back(id);
+        }
+        if (!gone.empty()) stale.emplace_back(v.id, std::move(gone));
+      } catch (const ApiError& e) {
+        spdlog::error("control: {}", e.what());
+      }
+    }
+  }
+  for (const auto& [volume_id, attachments] : stale) {
+    for (const std::string& id : attachments) {
+      spdlog::info(
+          "control: volume {}: attachment {} is no longer live here; out of the "
+          "gateways' record",
+          volume_id, id);
+      remove_shared(volume_id, id);
+    }
+  }
 }
 
 }  // namespace shareblk::control

@@ -82,11 +82,13 @@ void VolumeRegistry::refresh(const std::string& id, uint64_t size) {
   }
 }
 
+void VolumeRegistry::close(const std::string& id) {
+  std::lock_guard lock(open_mutex_);
+  open_.erase(id);
+}
+
 void VolumeRegistry::remove(const std::string& id, const lvm::Progress& progress) {
-  {
-    std::lock_guard lock(open_mutex_);
-    open_.erase(id);
-  }
+  close(id);
   // Already gone is removed: a delete that a crash interrupted is finished so, and so is a
   // volume whose backing went missing.
   if (lvm::StoreError e = store_.remove(id, progress); e && !is_missing(e)) throw store_error(e);
@@ -143,6 +145,8 @@ std::optional<std::string> VolumeRegistry::check(const std::string& id, uint64_t
     std::lock_guard lock(open_mutex_);
     if (e) {
       open_.erase(id);  // its connections keep it; new ones are refused
+    } else if (shared()) {
+      // Kept open only by its users (close()): another gateway may want to remove it.
     } else if (auto& cached = open_[id]; !cached) {
       cached = std::move(fresh);  // saves the next user an open
     }
@@ -183,6 +187,20 @@ std::optional<std::string> VolumeRegistry::load_definition(const std::string& id
     return std::nullopt;
   }
   return text;
+}
+
+void VolumeRegistry::read_record(const std::string& id, std::string& text, uint64_t& version) {
+  if (lvm::StoreError e = store_.read_record(id, text, version)) {
+    throw ApiError("internal", "volume " + id + ": the gateways' record: " + e.message);
+  }
+}
+
+bool VolumeRegistry::write_record(const std::string& id, const std::string& text,
+                                  uint64_t version) {
+  lvm::StoreError e = store_.write_record(id, text, version);
+  if (e.code.value() == ECANCELED) return false;
+  if (e) throw ApiError("internal", "volume " + id + ": the gateways' record: " + e.message);
+  return true;
 }
 
 void VolumeRegistry::reconcile(

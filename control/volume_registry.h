@@ -44,6 +44,12 @@ class VolumeRegistry {
   // nullopt when the store has no definition of `id` (no such volume, or it was never saved).
   std::optional<std::string> load_definition(const std::string& id);
 
+  // The volume's record shared by the gateways (lvm::VolumeStore::read_record): throws
+  // ApiError (internal) when it cannot be read or written; write_record() returns false when
+  // another gateway changed it since `version`.
+  void read_record(const std::string& id, std::string& text, uint64_t& version);
+  bool write_record(const std::string& id, const std::string& text, uint64_t version);
+
   // Waits for and takes the volume's lock. The table keeps an entry only while someone holds
   // or waits for it: ids come from clients, unknown ones included.
   VolumeLock lock(const std::string& volume_id);
@@ -70,6 +76,10 @@ class VolumeRegistry {
   void copy(const std::string& from, uint64_t length, const std::string& to, uint64_t size,
             const lvm::Progress& progress);
 
+  // Lets go of the open volume, if any: the store's handle closes once the last connection
+  // using it has ended. For a shared store, where a gateway must not keep open what it no
+  // longer serves (librbd refuses to remove an image another client has open).
+  void close(const std::string& id);
   // The open volume, opened on first use; nullptr (logged) when the store cannot open it.
   std::shared_ptr<backend::Volume> open(const std::string& id, uint64_t size);
 

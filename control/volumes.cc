@@ -211,8 +211,24 @@ Json Service::volume_list() {
 }
 
 Json Service::volume_show(const std::string& id) {
-  Database::Transaction tx(db_);
-  return volume_json(tx, find_volume(tx, id));
+  Json out;
+  {
+    Database::Transaction tx(db_);
+    out = volume_json(tx, find_volume(tx, id));
+  }
+  if (volumes_.shared()) {  // read after the transaction: other calls need not wait for it
+    Json others = Json::array();
+    const SharedAttachments shared = read_shared(id);
+    for (const AttachmentRow& a : elsewhere(shared)) {
+      others.push_back({{"id", a.id},
+                        {"gateway", shared.entries[a.id].value("gateway", "")},
+                        {"instance_uuid", a.instance_uuid},
+                        {"attached_host", a.attached_host},
+                        {"mode", std::string(to_string(a.mode))}});
+    }
+    out["attachments_elsewhere"] = std::move(others);
+  }
+  return out;
 }
 
 // The intent is recorded with the check for live attachments, under the volume's lock, and
@@ -233,7 +249,9 @@ Json Service::volume_delete(const std::string& id, bool wait) {
                                         " is being filled; delete it once that "
                                         "ends (its status is no longer creating)");
     }
-    for (const auto& a : tx.attachments(id)) {
+    std::vector<AttachmentRow> attachments = tx.attachments(id);
+    for (AttachmentRow& other : elsewhere(read_shared(id))) attachments.push_back(other);
+    for (const auto& a : attachments) {
       if (is_live(a.attach_status)) {
         throw ApiError("volume_in_use", "volume " + id + " has attachment " + a.id + " (" +
                                             std::string(to_string(a.attach_status)) + ")");

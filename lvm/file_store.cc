@@ -142,6 +142,18 @@ StoreError VolumeStore::save_definition(const std::string& /*id*/, const std::st
   return {};
 }
 
+StoreError VolumeStore::read_record(const std::string& /*id*/, std::string& text,
+                                    uint64_t& version) {
+  text.clear();
+  version = 0;
+  return {};
+}
+
+StoreError VolumeStore::write_record(const std::string& /*id*/, const std::string& /*text*/,
+                                     uint64_t /*version*/) {
+  return {};
+}
+
 StoreError VolumeStore::load_definition(const std::string& id, std::string& /*text*/) {
   return StoreError::from_errno(ENOENT, "no shared definition of volume " + id);
 }

@@ -70,6 +70,15 @@ class VolumeStore {
   // saving succeeds and loading is ENOENT.
   virtual StoreError save_definition(const std::string& id, const std::string& text);
   virtual StoreError load_definition(const std::string& id, std::string& text);
+
+  // For a store that several gateways share: a small record per volume that they all read and
+  // change (its attachments across gateways), with a version: 0 and "" when there is none.
+  // write_record() replaces it only if its version is still `version`, making it version + 1;
+  // ECANCELED when another gateway changed it since (read it again). So two gateways never
+  // both succeed from the same version. remove() removes it with the backing. A local store
+  // keeps none (reads as version 0; writes succeed and keep nothing).
+  virtual StoreError read_record(const std::string& id, std::string& text, uint64_t& version);
+  virtual StoreError write_record(const std::string& id, const std::string& text, uint64_t version);
 };
 
 // Copies the first `length` bytes of `from` into `to`, a freshly made backing that reads as

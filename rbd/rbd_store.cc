@@ -4,6 +4,7 @@
 #include <spdlog/spdlog.h>
 
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
 #include <thread>
 
@@ -16,6 +17,9 @@ namespace {
 constexpr const char* kPrefix = "volume-";
 // The image metadata key that holds a volume's definition (save_definition).
 constexpr const char* kDefinitionKey = "shareblk.volume";
+// The RADOS object of a volume's shared record (read_record), and its version's xattr.
+constexpr const char* kRecordPrefix = "shareblk.volume.";
+constexpr const char* kRecordVersion = "shareblk.version";
 
 lvm::StoreError failure(int rc, const std::string& what) {
   return lvm::StoreError::from_errno(-rc, what);
@@ -76,7 +80,10 @@ class RbdVolumeStore final : public lvm::VolumeStore {
     // orphan): until then the image has a watcher, and librbd refuses with EBUSY.
     for (int attempt = 0;; ++attempt) {
       const int rc = rbd_remove(cluster_->io, name.c_str());
-      if (rc == 0 || rc == -ENOENT) return {};
+      if (rc == 0 || rc == -ENOENT) {
+        rados_remove(cluster_->io, record_name(id).c_str());  // absent, mostly: no attachment
+        return {};
+      }
       if (rc != -EBUSY || attempt == 100) return failure(rc, "remove RBD image " + where(name));
       std::this_thread::sleep_for(std::chrono::milliseconds(50));
     }
@@ -162,7 +169,73 @@ class RbdVolumeStore final : public lvm::VolumeStore {
     return {};
   }
 
+  // A RADOS object of the pool beside the image; its version in an xattr, which a write
+  // compares and bumps in the same operation as it replaces the data (one atomic OSD op).
+  lvm::StoreError read_record(const std::string& id, std::string& text,
+                              uint64_t& version) override {
+    const std::string oid = record_name(id);
+    std::string data(64 * 1024, '\0');
+    for (;;) {
+      rados_read_op_t op = rados_create_read_op();
+      size_t got = 0;
+      int read_rc = 0;
+      int xattrs_rc = 0;
+      rados_xattrs_iter_t xattrs = nullptr;
+      rados_read_op_read(op, 0, data.size(), data.data(), &got, &read_rc);
+      rados_read_op_getxattrs(op, &xattrs, &xattrs_rc);
+      const int rc = rados_read_op_operate(op, cluster_->io, oid.c_str(), 0);
+      rados_release_read_op(op);
+      if (rc == -ENOENT) {
+        if (xattrs) rados_getxattrs_end(xattrs);
+        text.clear();
+        version = 0;
+        return {};
+      }
+      version = 0;
+      if (rc == 0 && xattrs_rc == 0 && xattrs) {
+        const char* name = nullptr;
+        const char* value = nullptr;
+        size_t length = 0;
+        while (rados_getxattrs_next(xattrs, &name, &value, &length) == 0 && name != nullptr) {
+          if (std::strcmp(name, kRecordVersion) == 0) {
+            version = std::strtoull(std::string(value, length).c_str(), nullptr, 10);
+          }
+        }
+      }
+      if (xattrs) rados_getxattrs_end(xattrs);
+      if (rc < 0) return failure(rc, "read " + where(oid));
+      if (read_rc < 0) return failure(read_rc, "read " + where(oid));
+      if (got < data.size()) {
+        text.assign(data.data(), got);
+        return {};
+      }
+      data.resize(data.size() * 4);  // it may hold more
+    }
+  }
+
+  lvm::StoreError write_record(const std::string& id, const std::string& text,
+                               uint64_t version) override {
+    const std::string oid = record_name(id);
+    const std::string was = std::to_string(version);
+    const std::string next = std::to_string(version + 1);
+    rados_write_op_t op = rados_create_write_op();
+    if (version == 0) {
+      rados_write_op_create(op, LIBRADOS_CREATE_EXCLUSIVE, nullptr);
+    } else {
+      rados_write_op_cmpxattr(op, kRecordVersion, LIBRADOS_CMPXATTR_OP_EQ, was.data(), was.size());
+    }
+    rados_write_op_setxattr(op, kRecordVersion, next.data(), next.size());
+    rados_write_op_write_full(op, text.data(), text.size());
+    int rc = rados_write_op_operate(op, cluster_->io, oid.c_str(), nullptr, 0);
+    rados_release_write_op(op);
+    // Another gateway wrote first: it made the object (EEXIST), or changed its version.
+    if (rc == -EEXIST || rc == -ECANCELED || (version != 0 && rc == -ENOENT)) rc = -ECANCELED;
+    if (rc < 0) return failure(rc, "write " + where(oid) + " (version " + was + ")");
+    return {};
+  }
+
  private:
+  static std::string record_name(const std::string& id) { return kRecordPrefix + id; }
   static std::string image_name(const std::string& id) { return kPrefix + id; }
   std::string where(const std::string& name) const { return cluster_->pool + "/" + name; }
 

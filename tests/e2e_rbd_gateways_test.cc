@@ -148,6 +148,58 @@ TEST_F(RbdGateways, AVolumeIsServedByBothAndItsOneWriterHoldsAcrossThem) {
   for (auto& g : gateway_) EXPECT_EQ(g->stop(SIGTERM), 0) << g->log();
 }
 
+// The attachment rules count the other gateway's attachments: a volume that is not
+// multiattach has one live attachment across both (the same instance may attach it from a
+// second host, as in a live migration), a volume attached elsewhere is not deleted, and when
+// both gateways attach it at the same moment exactly one succeeds: the record they share
+// changes only from the version each read.
+TEST_F(RbdGateways, AttachmentRulesHoldAcrossGateways) {
+  const std::string id = rpc_ok(socket(0), "volume_create",
+                                {{"name", "boot"}, {"size", "8M"}, {"multiattach", false}})["id"];
+  const Json first = attach(0, id, "vm-1", "rw");
+  EXPECT_EQ(rpc_reason(socket(1), "attachment_create",
+                       {{"volume_id", id},
+                        {"instance_uuid", "vm-2"},
+                        {"connector", {{"host", "vm-2"}, {"transport", "unix"}}}}),
+            "not_multiattach");
+  const Json shown = rpc_ok(socket(1), "volume_show", {{"volume_id", id}});
+  ASSERT_EQ(shown["attachments_elsewhere"].size(), 1U) << shown.dump();
+  EXPECT_EQ(shown["attachments_elsewhere"][0]["id"], first["id"]);
+  EXPECT_EQ(rpc_reason(socket(1), "volume_delete", {{"volume_id", id}}), "volume_in_use");
+
+  // vm-1 migrates to a host that gateway 2 serves, then leaves the first one.
+  const Json migrated = rpc_ok(socket(1), "attachment_create",
+                               {{"volume_id", id},
+                                {"instance_uuid", "vm-1"},
+                                {"connector", {{"host", "host-b"}, {"transport", "unix"}}}});
+  rpc_ok(socket(0), "attachment_delete", {{"attachment_id", first["id"]}});
+  rpc_ok(socket(1), "attachment_delete", {{"attachment_id", migrated["id"]}});
+
+  // Both at once, ten times: one wins each time.
+  for (int round = 0; round < 10; ++round) {
+    Json won[2];
+    std::thread racers[2];
+    for (int g = 0; g < 2; ++g) {
+      racers[g] = std::thread([&, g] {
+        won[g] = rpc(socket(g), "attachment_create",
+                     {{"volume_id", id},
+                      {"instance_uuid", "racer-" + std::to_string(g)},
+                      {"connector", {{"host", "h" + std::to_string(g)}, {"transport", "unix"}}}});
+      });
+    }
+    for (auto& t : racers) t.join();
+    int winners = 0;
+    for (int g = 0; g < 2; ++g) {
+      if (!won[g].contains("result")) continue;
+      ++winners;
+      rpc_ok(socket(g), "attachment_delete", {{"attachment_id", won[g]["result"]["id"]}});
+    }
+    EXPECT_EQ(winners, 1) << "round " << round << ": " << won[0].dump() << " " << won[1].dump();
+  }
+  rpc_ok(socket(1), "volume_delete", {{"volume_id", id}, {"wait", true}});
+  for (auto& g : gateway_) EXPECT_EQ(g->stop(SIGTERM), 0) << g->log();
+}
+
 // The case: a volume attached read-write through gateway 1 (its writer) and read-only
 // through gateway 2; gateway 1 hangs (SIGSTOP) with writes sent to it; gateway 2's attachment
 // becomes read-write and takes over. When gateway 1 resumes, none of the writes it got while
