@@ -180,6 +180,14 @@ Json Service::attachment_create(const AttachmentSpec& spec) {
     remove_shared(v.id, a.id);
     throw;
   }
+  try {
+    watch_shared(v.id);  // revocations by other gateways reach it
+  } catch (const ApiError& e) {
+    spdlog::error(
+        "control: {}; attachment {} is revoked by other gateways only from this "
+        "gateway's next start",
+        e.what(), a.id);
+  }
   spdlog::info("control: attachment {} of volume {} for {} ({}, {}{})", a.id, v.id,
                printable(a.instance_uuid), to_string(a.mode), to_string(a.attach_status),
                v.writer_policy == WriterPolicy::Multi || a.mode == backend::AttachMode::ReadOnly
@@ -316,8 +324,12 @@ Json Service::detach(const std::string& volume_id, const std::string& attachment
                                   : "; it stays revoked until the daemon stops"));
   }
   journal_.clear(a.id);
-  // Another gateway may delete the volume once no gateway has its image open.
-  if (idle && volumes_.shared()) volumes_.close(volume_id);
+  // Another gateway may delete the volume once no gateway has its image open; nothing here
+  // is left to revoke.
+  if (idle && volumes_.shared()) {
+    volumes_.close(volume_id);
+    unwatch_shared(volume_id);
+  }
   exports_.forget_revoked(a.id);
   exports_.forget_write_access(a.id);
   qos_.forget_attachment(a.id);
@@ -339,6 +351,7 @@ Json Service::attachment_delete(const std::string& id) {
 Json Service::volume_detach(const std::string& volume_id,
                             std::optional<std::string> attachment_id) {
   const VolumeLock lock = volumes_.lock(volume_id);
+  bool elsewhere = false;
   {
     Database::Transaction tx(db_);
     find_volume(tx, volume_id);
@@ -346,7 +359,9 @@ Json Service::volume_detach(const std::string& volume_id,
     for (auto& a : tx.attachments(volume_id)) {
       if (is_live(a.attach_status)) current.push_back(std::move(a));
     }
-    if (attachment_id) {
+    if (attachment_id && volumes_.shared() && !tx.attachment(*attachment_id)) {
+      elsewhere = true;  // maybe another gateway's (detach_elsewhere says)
+    } else if (attachment_id) {
       AttachmentRow a = find_attachment(tx, *attachment_id);
       if (a.volume_id != volume_id) {
         throw ApiError("not_found",
@@ -362,6 +377,7 @@ Json Service::volume_detach(const std::string& volume_id,
       attachment_id = current.front().id;
     }
   }
+  if (elsewhere) return detach_elsewhere(volume_id, *attachment_id);
   return detach(volume_id, *attachment_id);
 }
 

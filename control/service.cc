@@ -74,7 +74,10 @@ Service::Service(const std::string& db_path, lvm::VolumeStore& store, Policy pol
   if (policy_.tls != target::TlsOptions::Mode::Off) {
     psk_ = PskKeys((std::filesystem::path(db_path).parent_path() / "tls-psk.secret").string());
   }
-  if (volumes_.shared()) gateway_id_ = gateway_id(std::filesystem::path(db_path).parent_path());
+  if (volumes_.shared()) {
+    gateway_id_ = gateway_id(std::filesystem::path(db_path).parent_path());
+    revoker_ = std::thread(&Service::run_revoker, this);
+  }
   reconcile();
   prune_shared();
 }

@@ -10,7 +10,9 @@
 
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <cstdint>
+#include <deque>
 #include <filesystem>
 #include <functional>
 #include <map>
@@ -18,6 +20,7 @@
 #include <optional>
 #include <set>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "control/api_error.h"
@@ -67,6 +70,9 @@ struct AttachmentSpec {
 class Service {
  public:
   Service(const std::string& db_path, lvm::VolumeStore& store, Policy policy);
+  ~Service();
+  Service(const Service&) = delete;
+  Service& operator=(const Service&) = delete;
 
   // The NBD server that serves attachments, and where clients reach it. Mounts the FUSE
   // attachments that were live when the daemon stopped.
@@ -173,8 +179,20 @@ class Service {
                   const AttachmentRow& a);
   // Takes the attachment out of the record; a failure is logged (the next start prunes it).
   void remove_shared(const std::string& volume_id, const std::string& attachment_id);
-  // At start: this gateway's entries whose attachments are no longer live here go.
+  // At start: this gateway's entries whose attachments are no longer live here go; the
+  // records of the volumes it serves are watched, and read once for revocations.
   void prune_shared();
+  // Revocations written by other gateways (volume_detach of an attachment served here): the
+  // records of the volumes this gateway serves are watched; a notify queues the volume for
+  // the revoker thread, which detaches what its record marks revoked.
+  void watch_shared(const std::string& volume_id);
+  void unwatch_shared(const std::string& volume_id);
+  void revoke_requested(const std::string& volume_id);
+  void run_revoker();
+  void act_on_revocations(const std::string& volume_id);
+  // volume_detach of an attachment another gateway serves: marks it revoked in the record,
+  // notifies, and waits (up to 10 s) for that gateway to take it out.
+  Json detach_elsewhere(const std::string& volume_id, const std::string& attachment_id);
   // At start, for a writer recorded here: takes the lock back. Another gateway took it over
   // meanwhile: no writer now (recorded in `tx`). False when the cluster could not say: the
   // writer keeps its place, without write access until a takeover or the next start.
@@ -282,6 +300,14 @@ class Service {
   std::mutex copies_mutex_;
   std::map<std::string, std::vector<std::shared_ptr<backend::WriteAccess>>> quiesced_;
   std::multiset<std::string> copy_sources_;
+  // shared_store.cc: the revoker thread and its queue of volumes to read; the volumes
+  // watched. Stopped (watches first) by ~Service().
+  std::mutex revoker_mutex_;
+  std::condition_variable revoker_wake_;
+  std::deque<std::string> revoker_queue_;
+  bool revoker_stop_ = false;
+  std::set<std::string> watched_;
+  std::thread revoker_;
   // Last: its threads use the members above, and its destructor stops and joins them first.
   VolumeJobs jobs_;
 };

@@ -4,9 +4,11 @@
 // exclusive lock, which a takeover breaks only after the cluster has fenced the old holder.
 #include <spdlog/spdlog.h>
 
+#include <chrono>
 #include <cstring>
 #include <fstream>
 #include <set>
+#include <thread>
 
 #include "control/service.h"
 
@@ -240,6 +242,7 @@ void Service::remove_shared(const std::string& volume_id, const std::string& att
 void Service::prune_shared() {
   if (!volumes_.shared()) return;
   std::vector<std::pair<std::string, std::vector<std::string>>> stale;  // volume, attachments
+  std::vector<std::string> served;  // volumes with live attachments here
   {
     Database::Transaction tx(db_);
     for (const VolumeRow& v : tx.volumes()) {
@@ -247,6 +250,7 @@ void Service::prune_shared() {
       for (const AttachmentRow& a : tx.attachments(v.id)) {
         if (is_live(a.attach_status)) live.insert(a.id);
       }
+      if (!live.empty()) served.push_back(v.id);
       try {
         const SharedAttachments shared = read_shared(v.id);
         std::vector<std::string> gone;
@@ -268,6 +272,142 @@ void Service::prune_shared() {
       remove_shared(volume_id, id);
     }
   }
+  for (const std::string& volume_id : served) {
+    try {
+      watch_shared(volume_id);
+    } catch (const ApiError& e) {
+      spdlog::error(
+          "control: {}; revocations from other gateways reach this one at its next "
+          "start",
+          e.what());
+    }
+    revoke_requested(volume_id);  // a revocation written while this gateway was down
+  }
+}
+
+void Service::watch_shared(const std::string& volume_id) {
+  if (!volumes_.shared()) return;
+  {
+    std::lock_guard lock(revoker_mutex_);
+    if (watched_.count(volume_id) != 0) return;
+  }
+  volumes_.watch(volume_id, [this](const std::string& id) { revoke_requested(id); });
+  std::lock_guard lock(revoker_mutex_);
+  watched_.insert(volume_id);
+}
+
+void Service::unwatch_shared(const std::string& volume_id) {
+  {
+    std::lock_guard lock(revoker_mutex_);
+    if (watched_.erase(volume_id) == 0) return;
+  }
+  volumes_.unwatch(volume_id);
+}
+
+void Service::revoke_requested(const std::string& volume_id) {
+  {
+    std::lock_guard lock(revoker_mutex_);
+    if (revoker_stop_) return;
+    revoker_queue_.push_back(volume_id);
+  }
+  revoker_wake_.notify_one();
+}
+
+void Service::run_revoker() {
+  for (;;) {
+    std::string volume_id;
+    {
+      std::unique_lock lock(revoker_mutex_);
+      revoker_wake_.wait(lock, [this] { return revoker_stop_ || !revoker_queue_.empty(); });
+      if (revoker_stop_) return;
+      volume_id = std::move(revoker_queue_.front());
+      revoker_queue_.pop_front();
+    }
+    try {
+      act_on_revocations(volume_id);
+    } catch (const std::exception& e) {
+      spdlog::error("control: volume {}: revocations from other gateways: {}", volume_id, e.what());
+    }
+  }
+}
+
+void Service::act_on_revocations(const std::string& volume_id) {
+  const SharedAttachments shared = read_shared(volume_id);
+  for (const auto& [id, entry] : shared.entries.items()) {
+    if (entry.value("gateway", "") != gateway_id_ || !entry.value("revoked", false)) continue;
+    const std::string by = entry.value("revoked_by", "(unknown)");
+    const VolumeLock lock = volumes_.lock(volume_id);
+    std::optional<AttachmentRow> a;
+    {
+      Database::Transaction tx(db_);
+      a = tx.attachment(id);
+    }
+    if (a && a->volume_id == volume_id && a->attach_status != AttachStatus::Detached) {
+      spdlog::info("control: attachment {} of volume {}: revoked by gateway {}", id, volume_id, by);
+      detach(volume_id, id);  // takes it out of the record too
+    } else {
+      remove_shared(volume_id, id);
+    }
+  }
+}
+
+Json Service::detach_elsewhere(const std::string& volume_id, const std::string& attachment_id) {
+  std::string gateway;
+  const std::string unknown =
+      "no attachment " + attachment_id + " of volume " + volume_id + " on any gateway";
+  for (int attempt = 0;; ++attempt) {
+    SharedAttachments shared = read_shared(volume_id);
+    if (!shared.entries.contains(attachment_id)) throw ApiError("not_found", unknown);
+    Json& entry = shared.entries[attachment_id];
+    gateway = entry.value("gateway", "");
+    if (entry.value("revoked", false)) break;  // asked before: notify again below
+    entry["revoked"] = true;
+    entry["revoked_by"] = gateway_id_;
+    if (volumes_.write_record(volume_id, Json{{"attachments", shared.entries}}.dump(),
+                              shared.version)) {
+      break;
+    }
+    if (attempt == 20) {
+      throw ApiError("volume_busy", "volume " + volume_id +
+                                        ": the gateways' record of its attachments kept "
+                                        "changing; try again");
+    }
+  }
+  spdlog::info("control: attachment {} of volume {}: revoked here, served by gateway {}",
+               attachment_id, volume_id, gateway);
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  volumes_.notify(volume_id, std::chrono::seconds(10));
+  while (std::chrono::steady_clock::now() < deadline) {
+    if (!read_shared(volume_id).entries.contains(attachment_id)) {
+      return Json{{"id", attachment_id},
+                  {"volume_id", volume_id},
+                  {"attach_status", "detached"},
+                  {"gateway", gateway}};
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  throw ApiError("internal", "attachment " + attachment_id +
+                                 " is marked revoked in the gateways' record, but its gateway " +
+                                 gateway +
+                                 " has not detached it within 10 s (down or hung?): it does "
+                                 "when it next reads the record, at its start at the latest; a "
+                                 "writer is fenced at once with volume_takeover");
+}
+
+Service::~Service() {
+  if (!revoker_.joinable()) return;
+  std::set<std::string> watched;
+  {
+    std::lock_guard lock(revoker_mutex_);
+    watched.swap(watched_);
+  }
+  for (const std::string& id : watched) volumes_.unwatch(id);  // no callback runs after
+  {
+    std::lock_guard lock(revoker_mutex_);
+    revoker_stop_ = true;
+  }
+  revoker_wake_.notify_all();
+  revoker_.join();
 }
 
 }  // namespace shareblk::control

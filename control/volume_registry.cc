@@ -203,6 +203,20 @@ bool VolumeRegistry::write_record(const std::string& id, const std::string& text
   return true;
 }
 
+void VolumeRegistry::watch(const std::string& id, const lvm::VolumeStore::RecordChanged& changed) {
+  if (lvm::StoreError e = store_.watch_record(id, changed)) {
+    throw ApiError("internal", "volume " + id + ": " + e.message);
+  }
+}
+
+bool VolumeRegistry::notify(const std::string& id, std::chrono::milliseconds timeout) {
+  if (lvm::StoreError e = store_.notify_record(id, timeout)) {
+    spdlog::warn("control: volume {}: {}", id, e.message);
+    return false;
+  }
+  return true;
+}
+
 void VolumeRegistry::reconcile(
     const std::vector<std::pair<std::string, std::string>>& known_ids_and_names) {
   std::vector<std::string> ids;

@@ -50,6 +50,12 @@ class VolumeRegistry {
   void read_record(const std::string& id, std::string& text, uint64_t& version);
   bool write_record(const std::string& id, const std::string& text, uint64_t version);
 
+  // Watches of the records (lvm::VolumeStore::watch_record): watch() throws ApiError
+  // (internal); notify() returns false when some watcher did not answer in time.
+  void watch(const std::string& id, const lvm::VolumeStore::RecordChanged& changed);
+  void unwatch(const std::string& id) { store_.unwatch_record(id); }
+  bool notify(const std::string& id, std::chrono::milliseconds timeout);
+
   // Waits for and takes the volume's lock. The table keeps an entry only while someone holds
   // or waits for it: ids come from clients, unknown ones included.
   VolumeLock lock(const std::string& volume_id);

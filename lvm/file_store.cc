@@ -154,6 +154,17 @@ StoreError VolumeStore::write_record(const std::string& /*id*/, const std::strin
   return {};
 }
 
+StoreError VolumeStore::watch_record(const std::string& /*id*/, const RecordChanged& /*changed*/) {
+  return {};
+}
+
+void VolumeStore::unwatch_record(const std::string& /*id*/) {}
+
+StoreError VolumeStore::notify_record(const std::string& /*id*/,
+                                      std::chrono::milliseconds /*timeout*/) {
+  return {};
+}
+
 StoreError VolumeStore::load_definition(const std::string& id, std::string& /*text*/) {
   return StoreError::from_errno(ENOENT, "no shared definition of volume " + id);
 }

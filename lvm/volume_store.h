@@ -4,6 +4,7 @@
 // volume metadata; a store only holds bytes.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -79,6 +80,15 @@ class VolumeStore {
   // keeps none (reads as version 0; writes succeed and keep nothing).
   virtual StoreError read_record(const std::string& id, std::string& text, uint64_t& version);
   virtual StoreError write_record(const std::string& id, const std::string& text, uint64_t version);
+  // Watching a record: `changed(id)` runs, on a thread of the store's, whenever a gateway
+  // calls notify_record() for it (and when the watch may have missed one); it must not
+  // block. unwatch_record() returns once no call of it runs or will. notify_record() returns
+  // once every watcher has seen the notify, or after `timeout` (ETIMEDOUT). A local store
+  // keeps no watches: watching succeeds, notifying reaches nobody.
+  using RecordChanged = std::function<void(const std::string& id)>;
+  virtual StoreError watch_record(const std::string& id, const RecordChanged& changed);
+  virtual void unwatch_record(const std::string& id);
+  virtual StoreError notify_record(const std::string& id, std::chrono::milliseconds timeout);
 };
 
 // Copies the first `length` bytes of `from` into `to`, a freshly made backing that reads as

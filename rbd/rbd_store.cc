@@ -6,6 +6,8 @@
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
+#include <map>
+#include <mutex>
 #include <thread>
 
 #include "rbd/rbd_image.h"
@@ -234,7 +236,77 @@ class RbdVolumeStore final : public lvm::VolumeStore {
     return {};
   }
 
+  // A RADOS watch on the record's object; its callbacks run on librados' threads and only
+  // call `changed`, which must not block, then acknowledge the notify.
+  lvm::StoreError watch_record(const std::string& id, const RecordChanged& changed) override {
+    std::lock_guard lock(watches_mutex_);
+    if (watches_.count(id) != 0) return {};
+    auto watch = std::make_unique<Watch>(Watch{cluster_.get(), id, record_name(id), changed, 0});
+    const int rc = rados_watch3(cluster_->io, watch->oid.c_str(), &watch->cookie, on_notify,
+                                on_watch_error, 30, watch.get());
+    if (rc < 0) return failure(rc, "watch " + where(watch->oid));
+    watches_.emplace(id, std::move(watch));
+    return {};
+  }
+
+  void unwatch_record(const std::string& id) override {
+    std::unique_ptr<Watch> watch;
+    {
+      std::lock_guard lock(watches_mutex_);
+      auto it = watches_.find(id);
+      if (it == watches_.end()) return;
+      watch = std::move(it->second);
+      watches_.erase(it);
+    }
+    rados_unwatch2(cluster_->io, watch->cookie);
+    rados_watch_flush(cluster_->rados);  // no callback of it runs after this
+  }
+
+  lvm::StoreError notify_record(const std::string& id, std::chrono::milliseconds timeout) override {
+    const std::string oid = record_name(id);
+    char* reply = nullptr;
+    size_t reply_length = 0;
+    const int rc = rados_notify2(cluster_->io, oid.c_str(), "", 0,
+                                 static_cast<uint64_t>(timeout.count()), &reply, &reply_length);
+    if (reply) rados_buffer_free(reply);
+    if (rc < 0) return failure(rc, "notify the watchers of " + where(oid));
+    return {};
+  }
+
+  ~RbdVolumeStore() override {
+    std::vector<std::string> ids;
+    {
+      std::lock_guard lock(watches_mutex_);
+      for (const auto& [id, watch] : watches_) ids.push_back(id);
+    }
+    for (const std::string& id : ids) unwatch_record(id);
+  }
+
  private:
+  struct Watch {
+    Cluster* cluster;
+    std::string id;
+    std::string oid;
+    RecordChanged changed;
+    uint64_t cookie;
+  };
+  static void on_notify(void* arg, uint64_t notify_id, uint64_t cookie, uint64_t /*notifier*/,
+                        void* /*data*/, size_t /*length*/) {
+    auto* watch = static_cast<Watch*>(arg);
+    watch->changed(watch->id);
+    rados_notify_ack(watch->cluster->io, watch->oid.c_str(), notify_id, cookie, nullptr, 0);
+  }
+  // The watch was lost for a while (an OSD moved, a reconnect): notifies may have been
+  // missed, so the record is read again; librados renews the watch itself.
+  static void on_watch_error(void* arg, uint64_t /*cookie*/, int err) {
+    auto* watch = static_cast<Watch*>(arg);
+    spdlog::warn("store: the watch on {} was interrupted ({}); reading it again", watch->oid,
+                 std::strerror(-err));
+    watch->changed(watch->id);
+  }
+
+  std::mutex watches_mutex_;
+  std::map<std::string, std::unique_ptr<Watch>> watches_;
   static std::string record_name(const std::string& id) { return kRecordPrefix + id; }
   static std::string image_name(const std::string& id) { return kPrefix + id; }
   std::string where(const std::string& name) const { return cluster_->pool + "/" + name; }

@@ -200,6 +200,36 @@ TEST_F(RbdGateways, AttachmentRulesHoldAcrossGateways) {
   for (auto& g : gateway_) EXPECT_EQ(g->stop(SIGTERM), 0) << g->log();
 }
 
+// A detach asked of the other gateway reaches the gateway that serves the attachment (a
+// notify on the volume's record): it revokes it there, its NBD client is cut off, and the
+// volume may then be attached elsewhere.
+TEST_F(RbdGateways, ADetachOnAnotherGatewayRevokesTheAttachmentWhereItIsServed) {
+  const std::string id = rpc_ok(socket(0), "volume_create",
+                                {{"name", "one"}, {"size", "8M"}, {"multiattach", false}})["id"];
+  const Json served = attach(0, id, "vm-1", "rw");
+  NbdHandle a = open_nbd(served);
+  ASSERT_TRUE(a) << nbd_get_error();
+  const std::string block = pattern(4096, 3);
+  ASSERT_EQ(nbd_pwrite(a.get(), block.data(), block.size(), 0, 0), 0) << nbd_get_error();
+
+  const auto begin = std::chrono::steady_clock::now();
+  const Json detached =
+      rpc_ok(socket(1), "volume_detach", {{"volume_id", id}, {"attachment_id", served["id"]}});
+  EXPECT_LT(std::chrono::steady_clock::now() - begin, std::chrono::seconds(5));
+  EXPECT_EQ(detached["attach_status"], "detached") << detached.dump();
+  const Json there = rpc_ok(socket(0), "attachment_show", {{"attachment_id", served["id"]}});
+  EXPECT_EQ(there["attach_status"], "detached") << there.dump();
+  std::string back(4096, '\0');
+  EXPECT_EQ(nbd_pread(a.get(), back.data(), back.size(), 0, 0), -1);  // its connection is gone
+
+  const Json next = attach(1, id, "vm-2", "rw");  // not_multiattach no more
+  EXPECT_EQ(next["attach_status"], "attaching") << next.dump();
+  EXPECT_EQ(rpc_reason(socket(0), "volume_detach",
+                       {{"volume_id", id}, {"attachment_id", "no-such-attachment"}}),
+            "not_found");
+  for (auto& g : gateway_) EXPECT_EQ(g->stop(SIGTERM), 0) << g->log();
+}
+
 // The case: a volume attached read-write through gateway 1 (its writer) and read-only
 // through gateway 2; gateway 1 hangs (SIGSTOP) with writes sent to it; gateway 2's attachment
 // becomes read-write and takes over. When gateway 1 resumes, none of the writes it got while
