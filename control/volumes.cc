@@ -218,7 +218,14 @@ Json Service::volume_show(const std::string& id) {
   }
   if (volumes_.shared()) {  // read after the transaction: other calls need not wait for it
     Json others = Json::array();
-    const SharedAttachments shared = read_shared(id);
+    SharedAttachments shared;
+    try {
+      shared = read_shared(id);
+    } catch (const ApiError& e) {  // the volume is still shown, from this gateway's database
+      spdlog::warn("control: {}", e.what());
+      out["attachments_elsewhere"] = nullptr;
+      return out;
+    }
     for (const AttachmentRow& a : elsewhere(shared)) {
       others.push_back({{"id", a.id},
                         {"gateway", shared.entries[a.id].value("gateway", "")},
