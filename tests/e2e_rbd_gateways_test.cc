@@ -12,7 +12,7 @@
 #include <string>
 #include <thread>
 
-#include "tests/ceph_cluster.h"
+#include "tests/ceph_fixture.h"
 #include "tests/control_client.h"
 #include "tests/nbd_client.h"
 #include "tests/support.h"
@@ -22,29 +22,11 @@ namespace {
 
 using Json = nlohmann::json;
 
-std::string pattern(size_t length, int seed) {
-  std::string s(length, '\0');
-  for (size_t i = 0; i < length; ++i) s[i] = static_cast<char>((i * 31 + seed) % 251);
-  return s;
-}
-
-class RbdGateways : public ::testing::Test {
+class RbdGateways : public CephSuite {
  protected:
-  static void SetUpTestSuite() {
-    if (!CephCluster::missing_programs().empty()) return;
-    ceph_ = new CephCluster();
-    why_down_ = ceph_->start();
-  }
-  static void TearDownTestSuite() {
-    delete ceph_;
-    ceph_ = nullptr;
-  }
-
   void SetUp() override {
-    const std::string missing = CephCluster::missing_programs();
-    SHAREBLK_REQUIRE(missing.empty(),
-                     "the RBD store's tests need " + missing + " (ceph-mon ceph-osd ceph-common)");
-    ASSERT_TRUE(why_down_.empty()) << why_down_;
+    require_cluster();
+    if (IsSkipped() || HasFatalFailure()) return;
     for (int g = 0; g < 2; ++g) gateway_[g] = start(g);
   }
 
@@ -81,14 +63,9 @@ class RbdGateways : public ::testing::Test {
     return read_file(out, offset, length);
   }
 
-  static CephCluster* ceph_;
-  static std::string why_down_;
   TempDir dir_;
   std::unique_ptr<Daemon> gateway_[2];
 };
-
-CephCluster* RbdGateways::ceph_ = nullptr;
-std::string RbdGateways::why_down_;
 
 // A volume made through gateway 1 is served by gateway 2, which learns it from the image; its
 // one writer holds across the two: gateway 2's read-write attachment stays a standby while
@@ -112,7 +89,7 @@ TEST_F(RbdGateways, AVolumeIsServedByBothAndItsOneWriterHoldsAcrossThem) {
   NbdHandle a = open_nbd(writer);
   NbdHandle b = open_nbd(standby);
   ASSERT_TRUE(a && b) << nbd_get_error();
-  const std::string one = pattern(4096, 1);
+  const std::string one = patterned(4096, 1);
   ASSERT_EQ(nbd_pwrite(a.get(), one.data(), one.size(), 0, LIBNBD_CMD_FLAG_FUA), 0)
       << nbd_get_error();
   EXPECT_EQ(nbd_pwrite(b.get(), one.data(), one.size(), 4096, 0), -1);
@@ -133,7 +110,7 @@ TEST_F(RbdGateways, AVolumeIsServedByBothAndItsOneWriterHoldsAcrossThem) {
   EXPECT_EQ(took["writer"], standby["id"]) << took.dump();
   NbdHandle b2 = open_nbd(standby);
   ASSERT_TRUE(b2) << nbd_get_error();
-  const std::string two = pattern(4096, 2);
+  const std::string two = patterned(4096, 2);
   ASSERT_EQ(nbd_pwrite(b2.get(), two.data(), two.size(), 4096, LIBNBD_CMD_FLAG_FUA), 0)
       << nbd_get_error();
   EXPECT_TRUE(image_bytes(id, 4096, 4096) == two);
@@ -209,7 +186,7 @@ TEST_F(RbdGateways, ADetachOnAnotherGatewayRevokesTheAttachmentWhereItIsServed) 
   const Json served = attach(0, id, "vm-1", "rw");
   NbdHandle a = open_nbd(served);
   ASSERT_TRUE(a) << nbd_get_error();
-  const std::string block = pattern(4096, 3);
+  const std::string block = patterned(4096, 3);
   ASSERT_EQ(nbd_pwrite(a.get(), block.data(), block.size(), 0, 0), 0) << nbd_get_error();
 
   const auto begin = std::chrono::steady_clock::now();
@@ -247,7 +224,7 @@ TEST_F(RbdGateways, ATakeoverFencesAHungGatewaySoItsLateWritesNeverLand) {
   ASSERT_TRUE(a) << nbd_get_error();
   constexpr int kAcked = 16;  // blocks 0..15, acknowledged before the hang
   for (int i = 0; i < kAcked; ++i) {
-    const std::string block = pattern(4096, 100 + i);
+    const std::string block = patterned(4096, 100 + i);
     ASSERT_EQ(nbd_pwrite(a.get(), block.data(), block.size(), i * 4096ULL, 0), 0)
         << nbd_get_error();
   }
@@ -259,7 +236,7 @@ TEST_F(RbdGateways, ATakeoverFencesAHungGatewaySoItsLateWritesNeverLand) {
   std::vector<std::string> late_blocks;  // libnbd sends from them until each is answered
   late_blocks.reserve(16);
   for (int i = 0; i < 16; ++i) {
-    const std::string& block = late_blocks.emplace_back(pattern(4096, 200 + i));
+    const std::string& block = late_blocks.emplace_back(patterned(4096, 200 + i));
     late.push_back(nbd_aio_pwrite(a.get(), block.data(), block.size(), (kAcked + i) * 4096ULL,
                                   NBD_NULL_COMPLETION, LIBNBD_CMD_FLAG_FUA));
     ASSERT_GT(late.back(), 0) << nbd_get_error();
@@ -276,7 +253,7 @@ TEST_F(RbdGateways, ATakeoverFencesAHungGatewaySoItsLateWritesNeverLand) {
   EXPECT_TRUE(took["fenced_gateway"].is_string()) << took.dump();  // gateway 1's client
   NbdHandle b = open_nbd(reader);
   ASSERT_TRUE(b) << nbd_get_error();
-  const std::string mine = pattern(4096, 7);
+  const std::string mine = patterned(4096, 7);
   ASSERT_EQ(nbd_pwrite(b.get(), mine.data(), mine.size(), 40 * 4096ULL, LIBNBD_CMD_FLAG_FUA), 0)
       << nbd_get_error();
 
@@ -289,11 +266,11 @@ TEST_F(RbdGateways, ATakeoverFencesAHungGatewaySoItsLateWritesNeverLand) {
     }
     EXPECT_EQ(rc, -1) << "a write gateway 1 got while hung was acknowledged";
   }
-  const std::string after = pattern(4096, 9);
+  const std::string after = patterned(4096, 9);
   EXPECT_EQ(nbd_pwrite(a.get(), after.data(), after.size(), 41 * 4096ULL, 0), -1);
 
   for (int i = 0; i < kAcked; ++i) {
-    EXPECT_TRUE(image_bytes(id, i * 4096ULL, 4096) == pattern(4096, 100 + i)) << "block " << i;
+    EXPECT_TRUE(image_bytes(id, i * 4096ULL, 4096) == patterned(4096, 100 + i)) << "block " << i;
   }
   EXPECT_EQ(image_bytes(id, kAcked * 4096ULL, 16 * 4096), std::string(16 * 4096, '\0'));
   EXPECT_TRUE(image_bytes(id, 40 * 4096ULL, 4096) == mine);

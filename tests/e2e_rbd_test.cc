@@ -11,7 +11,7 @@
 #include <string>
 #include <thread>
 
-#include "tests/ceph_cluster.h"
+#include "tests/ceph_fixture.h"
 #include "tests/control_client.h"
 #include "tests/nbd_client.h"
 #include "tests/support.h"
@@ -28,29 +28,11 @@ NbdHandle open_nbd(const std::string& uri, bool base_allocation = false) {
   return nbd_connect(uri, nullptr, NbdOptions{false, base_allocation});
 }
 
-std::string pattern(size_t length, int seed) {
-  std::string s(length, '\0');
-  for (size_t i = 0; i < length; ++i) s[i] = static_cast<char>((i * 31 + seed) % 251);
-  return s;
-}
-
-class RbdStore : public ::testing::Test {
+class RbdStore : public CephSuite {
  protected:
-  static void SetUpTestSuite() {
-    if (!CephCluster::missing_programs().empty()) return;
-    ceph_ = new CephCluster();
-    why_down_ = ceph_->start();
-  }
-  static void TearDownTestSuite() {
-    delete ceph_;  // stops the daemons
-    ceph_ = nullptr;
-  }
-
   void SetUp() override {
-    const std::string missing = CephCluster::missing_programs();
-    SHAREBLK_REQUIRE(missing.empty(),
-                     "the RBD store's tests need " + missing + " (ceph-mon ceph-osd ceph-common)");
-    ASSERT_TRUE(why_down_.empty()) << why_down_;
+    require_cluster();
+    if (IsSkipped() || HasFatalFailure()) return;
     start();
   }
   // A clean exit: under the sanitizers a leak or an error makes it fail.
@@ -102,14 +84,9 @@ class RbdStore : public ::testing::Test {
     return a["connection_info"]["data"]["uri"].get<std::string>();
   }
 
-  static CephCluster* ceph_;
-  static std::string why_down_;
   TempDir dir_;
   std::unique_ptr<Daemon> daemon_;
 };
-
-CephCluster* RbdStore::ceph_ = nullptr;
-std::string RbdStore::why_down_;
 
 // Writes through NBD land in the image at the offsets written, across RADOS object seams
 // (4 MiB), and read back the same through NBD; FUA and FLUSH are answered.
@@ -119,8 +96,8 @@ TEST_F(RbdStore, AVolumeIsAnImageThatHoldsWhatNbdWrites) {
   NbdHandle rw = open_nbd(attach(id, "host-a", "rw"));
   ASSERT_TRUE(rw) << nbd_get_error();
   EXPECT_EQ(nbd_get_size(rw.get()), static_cast<int64_t>(64 * kMiB));
-  const std::string a = pattern(1 * kMiB, 1);
-  const std::string b = pattern(64 * 1024, 2);
+  const std::string a = patterned(1 * kMiB, 1);
+  const std::string b = patterned(64 * 1024, 2);
   const uint64_t seam = 4 * kMiB - 512 * 1024;  // crosses the first object's end
   ASSERT_EQ(nbd_pwrite(rw.get(), a.data(), a.size(), seam, 0), 0) << nbd_get_error();
   ASSERT_EQ(nbd_pwrite(rw.get(), b.data(), b.size(), 60 * kMiB, LIBNBD_CMD_FLAG_FUA), 0)
@@ -146,7 +123,7 @@ TEST_F(RbdStore, ManyRequestsInFlightAreEachAnsweredWithTheirOwnBytes) {
   constexpr int kBlocks = 256;
   constexpr size_t kBlock = 64 * 1024;
   std::vector<std::string> blocks;
-  for (int i = 0; i < kBlocks; ++i) blocks.push_back(pattern(kBlock, i));
+  for (int i = 0; i < kBlocks; ++i) blocks.push_back(patterned(kBlock, i));
   for (int i = 0; i < kBlocks; ++i) {
     nbd_handle* h = (i % 2) ? two.get() : one.get();
     ASSERT_NE(nbd_aio_pwrite(h, blocks[i].data(), kBlock, i * kBlock, NBD_NULL_COMPLETION, 0), -1)
@@ -176,10 +153,10 @@ TEST_F(RbdStore, AReadOnlyAttachmentChangesNothing) {
   NbdHandle rw = open_nbd(attach(id, "host-a", "rw"));
   NbdHandle ro = open_nbd(attach(id, "host-b", "ro"));
   ASSERT_TRUE(rw && ro) << nbd_get_error();
-  const std::string data = pattern(4096, 7);
+  const std::string data = patterned(4096, 7);
   ASSERT_EQ(nbd_pwrite(rw.get(), data.data(), data.size(), 0, 0), 0) << nbd_get_error();
   EXPECT_EQ(nbd_is_read_only(ro.get()), 1);
-  const std::string other = pattern(4096, 8);
+  const std::string other = patterned(4096, 8);
   EXPECT_EQ(nbd_pwrite(ro.get(), other.data(), other.size(), 0, 0), -1);
   EXPECT_EQ(nbd_get_errno(), EPERM);
   EXPECT_EQ(nbd_trim(ro.get(), 4096, 0, 0), -1);
@@ -208,7 +185,7 @@ TEST_F(RbdStore, ZeroesTrimAndBlockStatusComeFromTheImage) {
   NbdHandle client = open_nbd(attach(id, "host-a", "rw"), true);
   ASSERT_TRUE(client) << nbd_get_error();
   nbd_handle* h = client.get();
-  const std::string data = pattern(8 * kMiB, 3);
+  const std::string data = patterned(8 * kMiB, 3);
   ASSERT_EQ(nbd_pwrite(h, data.data(), data.size(), 8 * kMiB, 0), 0) << nbd_get_error();
   ASSERT_EQ(nbd_zero(h, 1 * kMiB, 9 * kMiB, 0), 0) << nbd_get_error();
   EXPECT_EQ(nbd_zero(h, 1 * kMiB, 10 * kMiB, LIBNBD_CMD_FLAG_FAST_ZERO), 0) << nbd_get_error();
@@ -244,7 +221,7 @@ TEST_F(RbdStore, ExtendGrowsTheImage) {
   NbdHandle rw = open_nbd(attach(id, "host-a", "rw"));
   ASSERT_TRUE(rw) << nbd_get_error();
   EXPECT_EQ(nbd_get_size(rw.get()), static_cast<int64_t>(24 * kMiB));
-  const std::string data = pattern(4096, 9);
+  const std::string data = patterned(4096, 9);
   ASSERT_EQ(nbd_pwrite(rw.get(), data.data(), data.size(), 24 * kMiB - 4096, 0), 0)
       << nbd_get_error();
   EXPECT_TRUE(image_bytes(id, 24 * kMiB - 4096, 4096) == data);
@@ -255,7 +232,7 @@ TEST_F(RbdStore, ExtendGrowsTheImage) {
 TEST_F(RbdStore, DeleteRemovesTheImageAndARestartServesTheRest) {
   const std::string gone = create("8M", false);
   const std::string kept = create("8M", false);
-  const std::string data = pattern(4096, 5);
+  const std::string data = patterned(4096, 5);
   {
     NbdHandle rw = open_nbd(attach(gone, "host-a", "rw"));
     ASSERT_TRUE(rw) << nbd_get_error();
@@ -321,14 +298,14 @@ TEST_F(RbdStore, SnapshotsAndClonesAreImagesOfTheirOwn) {
   const std::string id = create("32M");
   NbdHandle rw = open_nbd(attach(id, "host-a", "rw"));
   ASSERT_TRUE(rw) << nbd_get_error();
-  const std::string a = pattern(64 * 1024, 31);
+  const std::string a = patterned(64 * 1024, 31);
   ASSERT_EQ(nbd_pwrite(rw.get(), a.data(), a.size(), 20 * kMiB, 0), 0) << nbd_get_error();
 
   const std::string snap =
       rpc_ok(socket(), "snapshot_create", {{"volume_id", id}, {"name", "before"}})["id"];
   EXPECT_EQ(settle(socket(), "snapshot_show", "snapshot_id", snap)["status"], "available");
   EXPECT_TRUE(has_image(snap)) << rbd({"ls", pool()}).output;
-  const std::string b = pattern(64 * 1024, 32);
+  const std::string b = patterned(64 * 1024, 32);
   ASSERT_EQ(nbd_pwrite(rw.get(), b.data(), b.size(), 20 * kMiB, 0), 0) << nbd_get_error();
 
   const std::string restored =
@@ -382,13 +359,13 @@ TEST_F(RbdStore, AClusterThatStopsAnsweringFailsRequestsWithEioThenRecovers) {
   const std::string id = create("8M");
   NbdHandle rw = open_nbd(attach(id, "host-a", "rw"));
   ASSERT_TRUE(rw) << nbd_get_error();
-  const std::string before = pattern(4096, 11);
+  const std::string before = patterned(4096, 11);
   ASSERT_EQ(nbd_pwrite(rw.get(), before.data(), before.size(), 0, 0), 0) << nbd_get_error();
 
   std::string back(4096, '\0');
   {
     const CephCluster::Frozen osd = ceph_->freeze_osd();
-    const std::string during = pattern(4096, 12);
+    const std::string during = patterned(4096, 12);
     const auto begin = std::chrono::steady_clock::now();
     EXPECT_EQ(nbd_pwrite(rw.get(), during.data(), during.size(), 4096, LIBNBD_CMD_FLAG_FUA), -1);
     EXPECT_EQ(nbd_get_errno(), EIO) << nbd_get_error();
@@ -400,7 +377,7 @@ TEST_F(RbdStore, AClusterThatStopsAnsweringFailsRequestsWithEioThenRecovers) {
 
   // Back: the next requests on the same connection go through (librbd may take a moment to
   // find its OSD again).
-  const std::string after = pattern(4096, 13);
+  const std::string after = patterned(4096, 13);
   int rc = -1;
   for (int i = 0; i < 30 && rc != 0; ++i) {
     rc = nbd_pwrite(rw.get(), after.data(), after.size(), 8192, LIBNBD_CMD_FLAG_FUA);
@@ -424,10 +401,10 @@ TEST_F(RbdStore, WithTheMonitorDownIoAndImageCallsGoOn) {
   const std::string id = create("8M");
   NbdHandle rw = open_nbd(attach(id, "host-a", "rw"));
   ASSERT_TRUE(rw) << nbd_get_error();
-  const std::string data = pattern(4096, 21);
+  const std::string data = patterned(4096, 21);
   ASSERT_EQ(nbd_pwrite(rw.get(), data.data(), data.size(), 0, 0), 0) << nbd_get_error();
 
-  const std::string more = pattern(4096, 22);
+  const std::string more = patterned(4096, 22);
   std::string back(4096, '\0');
   std::string other;
   {

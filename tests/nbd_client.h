@@ -34,6 +34,14 @@ inline std::string pattern(char byte, size_t length) {
   return std::string(length, byte);
 }
 
+// `length` bytes that differ from one offset to the next and from one `seed` to another, so
+// that a block read back from the wrong place or the wrong write shows.
+inline std::string patterned(size_t length, int seed) {
+  std::string s(length, '\0');
+  for (size_t i = 0; i < length; ++i) s[i] = static_cast<char>((i * 31 + seed) % 251);
+  return s;
+}
+
 struct ByteRange {
   uint64_t offset;
   uint64_t length;
