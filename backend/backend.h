@@ -297,10 +297,11 @@ class RemoteImage {
   virtual ~RemoteImage() = default;
 
   // Starts an admitted request of `length` bytes at `offset` (`buf`: Read, Write). Its result
-  // comes from a later poll(), with `tag` (the engine's request: aligned, never odd). Returns 0, or
-  // an errno when it did not start (and poll() will not report it). The store acknowledges a write
-  // once it is durable, so kFua needs nothing more. Cache never comes here: the engines answer that
-  // hint themselves.
+  // comes from a later poll(), with `tag`. Returns 0, or an errno when it did not start (and
+  // poll() will not report it). The store acknowledges a write once it is durable, so kFua needs
+  // nothing more, and Flush never comes here: the engines answer it at once, as they answer the
+  // Cache hint (a flush through the store could only wait, for the image's lock held by another
+  // client, and have nothing to write).
   virtual int start(Op op, uint32_t flags, uint64_t offset, uint64_t length, char* buf,
                     void* tag) = 0;
   struct Completed {

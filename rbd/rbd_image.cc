@@ -9,7 +9,6 @@
 #include <algorithm>
 #include <array>
 #include <cerrno>
-#include <cstdint>
 
 namespace shareblk::rbd {
 
@@ -26,19 +25,6 @@ int to_errno(int rc) {
   if (err == ETIMEDOUT || err == ESHUTDOWN || err <= 0) return EIO;
   return err;
 }
-
-namespace {
-
-// 0 or the errno of a request that ended with `rc`. librbd refuses a flush with EROFS when
-// another client holds the image's exclusive lock (a standby or read-only gateway's). With its
-// cache off nothing of this client waits to be written: each write it made was acknowledged
-// once durable, and none can have been made without the lock. So the flush holds.
-int flush_errno(ssize_t rc, bool flush) {
-  if (rc >= 0 || (flush && rc == -EROFS)) return 0;
-  return to_errno(static_cast<int>(rc));
-}
-
-}  // namespace
 
 int RbdImage::open(std::shared_ptr<Cluster> cluster, const std::string& name,
                    std::shared_ptr<RbdImage>& out) {
@@ -70,10 +56,8 @@ int RbdImage::start(Op op, uint32_t flags, uint64_t offset, uint64_t length, cha
     return ENOTSUP;
   }
   rbd_completion_t c = nullptr;
-  // No callback: the end is told through the image's eventfd and collected by poll(). A
-  // flush's tag is marked in its low bit (tags are pointers to aligned requests).
-  void* arg = op == Op::Flush ? static_cast<char*>(tag) + 1 : tag;
-  if (int rc = rbd_aio_create_completion(arg, nullptr, &c); rc < 0) return -rc;
+  // No callback: the end is told through the image's eventfd and collected by poll().
+  if (int rc = rbd_aio_create_completion(tag, nullptr, &c); rc < 0) return -rc;
   int rc = 0;
   const auto len = static_cast<size_t>(length);
   switch (op) {
@@ -83,9 +67,6 @@ int RbdImage::start(Op op, uint32_t flags, uint64_t offset, uint64_t length, cha
     case Op::Write:
       rc = rbd_aio_write(image_, offset, len, buf, c);
       break;
-    case Op::Flush:
-      rc = rbd_aio_flush(image_, c);
-      break;
     case Op::Trim:
       rc = rbd_aio_discard(image_, offset, length, c);
       break;
@@ -94,7 +75,8 @@ int RbdImage::start(Op op, uint32_t flags, uint64_t offset, uint64_t length, cha
           image_, offset, len, c,
           (flags & backend::kNoHole) ? RBD_WRITE_ZEROES_FLAG_THICK_PROVISION : 0, 0);
       break;
-    case Op::Cache:  // the engine answers hints itself
+    case Op::Flush:  // the engines answer these themselves (backend.h, RemoteImage)
+    case Op::Cache:
       rc = -EINVAL;
       break;
   }
@@ -112,9 +94,7 @@ size_t RbdImage::poll(Completed* out, size_t max) {
   if (n <= 0) return 0;
   for (int i = 0; i < n; ++i) {
     const ssize_t rc = rbd_aio_get_return_value(ended[i]);
-    void* arg = rbd_aio_get_arg(ended[i]);
-    const bool flush = (reinterpret_cast<uintptr_t>(arg) & 1U) != 0;
-    out[i] = Completed{flush ? static_cast<char*>(arg) - 1 : arg, flush_errno(rc, flush)};
+    out[i] = Completed{rbd_aio_get_arg(ended[i]), rc < 0 ? to_errno(static_cast<int>(rc)) : 0};
     rbd_aio_release(ended[i]);
   }
   return static_cast<size_t>(n);
@@ -135,8 +115,9 @@ int RbdImage::execute(Op op, uint32_t flags, uint64_t offset, uint64_t length, c
     case Op::Write:
       rc = rbd_write(image_, offset, len, buf);
       break;
-    case Op::Flush:
-      return flush_errno(rbd_flush(image_), true);
+    case Op::Flush:  // every write was acknowledged once durable (backend.h, RemoteImage)
+    case Op::Cache:
+      return 0;
     case Op::Trim:
       rc = rbd_discard(image_, offset, length);
       break;
@@ -146,8 +127,6 @@ int RbdImage::execute(Op op, uint32_t flags, uint64_t offset, uint64_t length, c
                             (flags & backend::kNoHole) ? RBD_WRITE_ZEROES_FLAG_THICK_PROVISION : 0,
                             0);
       break;
-    case Op::Cache:
-      return 0;
   }
   if (rc < 0) return to_errno(static_cast<int>(rc));
   // A read or write moves all of it or fails; anything short would be a librbd bug.
