@@ -188,7 +188,7 @@ constexpr const char* kAttachmentColumns =
 VolumeRow volume_from(const Statement& s) {
   VolumeRow v{s.text(0),         s.text(1),         static_cast<uint64_t>(s.integer(2)),
               s.integer(3) != 0, s.integer(4) != 0, s.text(5)};
-  v.writer_policy = s.text(6) == "single" ? WriterPolicy::Single : WriterPolicy::Multi;
+  v.writer_policy = writer_policy_named(s.text(6)).value_or(WriterPolicy::Multi);
   v.writer = s.text(7);
   v.fencing_generation = static_cast<uint64_t>(s.integer(8));
   v.writer_since = s.text(9);
@@ -244,6 +244,12 @@ std::string_view to_string(backend::AttachMode mode) {
 
 std::string_view to_string(WriterPolicy policy) {
   return policy == WriterPolicy::Single ? "single" : "multi";
+}
+
+std::optional<WriterPolicy> writer_policy_named(std::string_view name) {
+  if (name == "multi") return WriterPolicy::Multi;
+  if (name == "single") return WriterPolicy::Single;
+  return std::nullopt;
 }
 
 std::string_view to_string(IntentAction action) {

@@ -30,6 +30,8 @@ namespace shareblk::control {
 // the volume's writer, may at a time; the others are standbys until volume_takeover.
 enum class WriterPolicy { Multi, Single };
 std::string_view to_string(WriterPolicy policy);  // "multi" | "single"
+// The policy a name from to_string() stands for; nullopt for any other text.
+std::optional<WriterPolicy> writer_policy_named(std::string_view name);
 
 struct VolumeRow {
   std::string id;

@@ -64,8 +64,7 @@ backend::AttachMode opt_mode(const Json& p, const char* key) {
 std::optional<WriterPolicy> opt_writer_policy(const Json& p, const char* key) {
   const std::optional<std::string> policy = opt_string(p, key);
   if (!policy) return std::nullopt;
-  if (*policy == "multi") return WriterPolicy::Multi;
-  if (*policy == "single") return WriterPolicy::Single;
+  if (auto named = writer_policy_named(*policy)) return named;
   invalid(std::string(key) + " must be \"multi\" or \"single\"");
 }
 

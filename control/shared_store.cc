@@ -43,9 +43,9 @@ std::optional<VolumeRow> volume_of_definition(const std::string& id, const std::
     v.size = d.at("size").get<uint64_t>();
     v.multiattach = d.at("multiattach").get<bool>();
     v.bootable = d.at("bootable").get<bool>();
-    const std::string policy = d.at("writer_policy").get<std::string>();
-    if (policy != "single" && policy != "multi") return std::nullopt;
-    v.writer_policy = policy == "single" ? WriterPolicy::Single : WriterPolicy::Multi;
+    const auto policy = writer_policy_named(d.at("writer_policy").get<std::string>());
+    if (!policy) return std::nullopt;
+    v.writer_policy = *policy;
     v.created_at = d.at("created_at").get<std::string>();
     v.qos = d.value("qos", std::string());
     return v;
@@ -106,9 +106,13 @@ std::optional<VolumeRow> Service::learn_volume(Database::Transaction& tx, const 
 
 namespace {
 
-// The volume's image, when it lives in a store that other gateways share.
-backend::RemoteImage* shared_image(const std::shared_ptr<backend::Volume>& volume) {
-  return volume ? volume->remote().get() : nullptr;
+// The open volume's image in the shared store; throws ApiError (internal) when it cannot be
+// opened. `volume` keeps it open for the caller.
+backend::RemoteImage& shared_image(const std::shared_ptr<backend::Volume>& volume,
+                                   const std::string& id) {
+  if (!volume || !volume->remote())
+    throw ApiError("internal", "volume " + id + " cannot be opened");
+  return *volume->remote();
 }
 
 }  // namespace
@@ -116,9 +120,7 @@ backend::RemoteImage* shared_image(const std::shared_ptr<backend::Volume>& volum
 bool Service::claim_shared_writer(const VolumeRow& v) {
   if (!volumes_.shared() || v.writer_policy != WriterPolicy::Single) return true;
   const auto volume = volumes_.open(v.id, v.size);
-  backend::RemoteImage* image = shared_image(volume);
-  if (image == nullptr) throw ApiError("internal", "volume " + v.id + " cannot be opened");
-  const int err = image->claim_writer();
+  const int err = shared_image(volume, v.id).claim_writer();
   if (err == EBUSY) {
     spdlog::info("control: volume {}: another gateway holds its writer lock", v.id);
     return false;
@@ -133,10 +135,8 @@ bool Service::claim_shared_writer(const VolumeRow& v) {
 std::string Service::fence_shared_writer(const VolumeRow& v) {
   if (!volumes_.shared() || v.writer_policy != WriterPolicy::Single) return "";
   const auto volume = volumes_.open(v.id, v.size);
-  backend::RemoteImage* image = shared_image(volume);
-  if (image == nullptr) throw ApiError("internal", "volume " + v.id + " cannot be opened");
   std::string fenced;
-  if (const int err = image->fence_writer(fenced)) {
+  if (const int err = shared_image(volume, v.id).fence_writer(fenced)) {
     throw ApiError("internal", "volume " + v.id +
                                    ": cannot fence the gateway holding its image's lock" +
                                    (fenced.empty() ? "" : " (" + fenced + ")") + ": " +
@@ -171,8 +171,8 @@ bool Service::reclaim_shared_writer(Database::Transaction& tx, VolumeRow& v) {
 
 void Service::release_shared_writer(const VolumeRow& v) {
   if (!volumes_.shared() || v.writer_policy != WriterPolicy::Single) return;
-  const auto volume = volumes_.open(v.id, v.size);
-  if (backend::RemoteImage* image = shared_image(volume)) image->release_writer();
+  const auto volume = volumes_.open(v.id, v.size);  // only logs: nothing held if not open
+  if (volume && volume->remote()) volume->remote()->release_writer();
 }
 
 Service::SharedAttachments Service::read_shared(const std::string& volume_id) {

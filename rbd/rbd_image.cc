@@ -204,15 +204,16 @@ int RbdImage::size(uint64_t& out) {
 // once that client's watch has timed out (a hung gateway): a fence that only a takeover may
 // decide. So a lock held elsewhere is not asked for.
 int RbdImage::claim_writer() {
-  if (int held_elsewhere = lock_held_elsewhere(); held_elsewhere != 0) {
-    return held_elsewhere < 0 ? to_errno(held_elsewhere) : EBUSY;
-  }
+  std::vector<std::string> owners;
+  if (int rc = owners_elsewhere(owners); rc < 0) return to_errno(rc);
+  if (!owners.empty()) return EBUSY;
   const int rc = rbd_lock_acquire(image_, RBD_LOCK_MODE_EXCLUSIVE);
   if (rc == -EROFS || rc == -EBUSY) return EBUSY;  // another client holds it by hand
   return rc < 0 ? -rc : 0;                         // EINVAL: the image has no exclusive-lock
 }
 
-int RbdImage::lock_held_elsewhere() {
+int RbdImage::owners_elsewhere(std::vector<std::string>& out) {
+  out.clear();
   int owner = 0;
   if (int rc = rbd_is_exclusive_lock_owner(image_, &owner); rc < 0) return rc;
   if (owner != 0) return 0;
@@ -220,10 +221,11 @@ int RbdImage::lock_held_elsewhere() {
   std::array<char*, 4> owners{};
   size_t count = owners.size();
   const int rc = rbd_lock_get_owners(image_, &mode, owners.data(), &count);
-  if (rc == -ENOENT) return 0;
+  if (rc == -ENOENT) return 0;  // nobody holds it
   if (rc < 0) return rc;
+  out.assign(owners.begin(), owners.begin() + static_cast<std::ptrdiff_t>(count));
   rbd_lock_get_owners_cleanup(owners.data(), count);
-  return count > 0 ? 1 : 0;
+  return 0;
 }
 
 // rbd_lock_break with rbd_blocklist_on_break_lock (forced on by the store) follows Ceph's
@@ -232,27 +234,12 @@ int RbdImage::lock_held_elsewhere() {
 // refuse every request of the old holder, including those it sent before and those a hung
 // process sends when it resumes.
 int RbdImage::fence_writer(std::string& fenced) {
-  int owner = 0;
-  if (int rc = rbd_is_exclusive_lock_owner(image_, &owner); rc < 0) return to_errno(rc);
-  if (owner == 0) {
-    rbd_lock_mode_t mode{};
-    std::array<char*, 4> owners{};
-    size_t count = owners.size();
-    const int rc = rbd_lock_get_owners(image_, &mode, owners.data(), &count);
-    if (rc == -ENOENT)
-      count = 0;  // nobody holds it
-    else if (rc < 0)
-      return to_errno(rc);
-    int err = 0;
-    for (size_t i = 0; i < count && err == 0; ++i) {
-      const int broken = rbd_lock_break(image_, RBD_LOCK_MODE_EXCLUSIVE, owners[i]);
-      if (broken < 0 && broken != -ENOENT)
-        err = to_errno(broken);
-      else
-        fenced += std::string(fenced.empty() ? "" : ", ") + owners[i];
-    }
-    if (count > 0) rbd_lock_get_owners_cleanup(owners.data(), count);
-    if (err != 0) return err;  // not fenced: no write access here
+  std::vector<std::string> owners;
+  if (int rc = owners_elsewhere(owners); rc < 0) return to_errno(rc);
+  for (const std::string& owner : owners) {
+    const int rc = rbd_lock_break(image_, RBD_LOCK_MODE_EXCLUSIVE, owner.c_str());
+    if (rc < 0 && rc != -ENOENT) return to_errno(rc);  // not fenced: no write access here
+    fenced += (fenced.empty() ? "" : ", ") + owner;
   }
   return claim_writer();
 }

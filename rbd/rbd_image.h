@@ -54,9 +54,9 @@ class RbdImage final : public backend::RemoteImage {
 
  private:
   RbdImage() = default;
-  // 1 when a client other than this image's holds its exclusive lock, 0 when none does, or
-  // a librbd error (< 0).
-  int lock_held_elsewhere();
+  // The clients other than this image's that hold its exclusive lock (none when it holds it
+  // or nobody does). Returns 0 or a librbd error (< 0).
+  int owners_elsewhere(std::vector<std::string>& out);
   std::shared_ptr<Cluster> cluster_;
   rbd_image_t image_ = nullptr;
   int event_fd_ = -1;
