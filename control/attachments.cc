@@ -148,6 +148,14 @@ Json Service::attachment_create(const AttachmentSpec& spec) {
                                         "changing; try again");
     }
   }
+  if (volumes_.shared()) {  // any gateway finds it by its id from now on
+    try {
+      volumes_.link_attachment(a.id, v.id);
+    } catch (...) {
+      remove_shared(v.id, a.id);
+      throw;
+    }
+  }
   // The first read-write attachment of a single-writer volume without one is its writer; the
   // others are standbys until a takeover (docs/fencing.md).
   // In a shared store the writer may be another gateway's, which holds the image's lock.
@@ -343,6 +351,9 @@ Json Service::detach(const std::string& volume_id, const std::string& attachment
 }
 
 Json Service::attachment_delete(const std::string& id) {
+  if (!known_here(id)) {
+    if (auto other = find_elsewhere(id)) return detach_elsewhere(other->first, id);
+  }
   const std::string volume_id = volume_of(id);
   const VolumeLock lock = volumes_.lock(volume_id);
   return detach(volume_id, id);
@@ -396,13 +407,29 @@ Json Service::attachment_list(const std::string& volume_id) {
   Json out = Json::array();
   for (const AttachmentRow& a : attachments)
     out.push_back(attachment_json(a, volumes.at(a.volume_id)));
+  // One volume's: the other gateways' live ones too, from its record (a list of them all
+  // would read every volume's record).
+  if (!volume_id.empty() && volumes_.shared()) {
+    SharedAttachments shared = read_shared(volume_id);
+    for (const AttachmentRow& a : elsewhere(shared)) {
+      out.push_back(elsewhere_json(volume_id, a.id, shared.entries[a.id]));
+    }
+  }
   return out;
 }
 
 Json Service::attachment_show(const std::string& id) {
+  if (!known_here(id)) {
+    if (auto other = find_elsewhere(id)) return std::move(other->second);
+  }
   Database::Transaction tx(db_);
   AttachmentRow a = find_attachment(tx, id);
   return attachment_json(a, find_volume(tx, a.volume_id));
+}
+
+bool Service::known_here(const std::string& attachment_id) {
+  Database::Transaction tx(db_);
+  return tx.attachment(attachment_id).has_value();
 }
 
 }  // namespace shareblk::control

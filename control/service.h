@@ -173,6 +173,13 @@ class Service {
   SharedAttachments read_shared(const std::string& volume_id);
   // The other gateways' entries, as rows that the attachment rules count.
   std::vector<AttachmentRow> elsewhere(const SharedAttachments& shared) const;
+  // Another gateway's entry as an Attachment (docs/api.md): what the record holds, the rest
+  // null (the serving gateway knows it).
+  Json elsewhere_json(const std::string& volume_id, const std::string& id, const Json& entry) const;
+  // Another gateway's live attachment found by its id alone (through the store's link to its
+  // volume): its volume and Attachment; nullopt when no other gateway has it. Throws ApiError
+  // (internal) when the cluster cannot say.
+  std::optional<std::pair<std::string, Json>> find_elsewhere(const std::string& attachment_id);
   // Adds `a` (this gateway's) to the record read as `shared`; false when another gateway
   // changed it since. Throws ApiError (internal).
   bool add_shared(const std::string& volume_id, const SharedAttachments& shared,
@@ -255,6 +262,7 @@ class Service {
                                       const std::string& volume_id);
   void remount(const AttachmentRow& a, const VolumeRow& v);
   std::string volume_of(const std::string& attachment_id);
+  bool known_here(const std::string& attachment_id);  // a row in this gateway's database
   // A volume this gateway has no row of may be one another gateway made in a shared store:
   // its definition is then read from the store and the row added in `tx` (learn_volume).
   VolumeRow find_volume(Database::Transaction& tx, const std::string& id);

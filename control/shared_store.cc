@@ -206,6 +206,39 @@ std::vector<AttachmentRow> Service::elsewhere(const SharedAttachments& shared) c
   return rows;
 }
 
+Json Service::elsewhere_json(const std::string& volume_id, const std::string& id,
+                             const Json& entry) const {
+  const std::string host = entry.value("attached_host", "");
+  return Json{{"id", id},
+              {"volume_id", volume_id},
+              {"gateway", entry.value("gateway", "")},
+              {"instance_uuid", entry.value("instance_uuid", "")},
+              {"attached_host", host.empty() ? Json(nullptr) : Json(host)},
+              {"mode", entry.value("mode", "rw")},
+              // Live as far as the record says: revoked ones wait for their gateway.
+              {"attach_status", entry.value("revoked", false) ? "detaching" : "attached"},
+              {"attach_time", nullptr},
+              {"detach_time", nullptr},
+              {"connector", nullptr},
+              {"connection_info", nullptr},
+              {"connections", nullptr},
+              {"write_access", nullptr},
+              {"write_access_since", nullptr},
+              {"qos", nullptr}};
+}
+
+std::optional<std::pair<std::string, Json>> Service::find_elsewhere(
+    const std::string& attachment_id) {
+  if (!volumes_.shared()) return std::nullopt;
+  const std::optional<std::string> volume_id = volumes_.linked_volume(attachment_id);
+  if (!volume_id) return std::nullopt;
+  const SharedAttachments shared = read_shared(*volume_id);
+  if (!shared.entries.contains(attachment_id)) return std::nullopt;  // a stale link
+  const Json& entry = shared.entries[attachment_id];
+  if (!entry.is_object() || entry.value("gateway", "") == gateway_id_) return std::nullopt;
+  return std::pair(*volume_id, elsewhere_json(*volume_id, attachment_id, entry));
+}
+
 bool Service::add_shared(const std::string& volume_id, const SharedAttachments& shared,
                          const AttachmentRow& a) {
   Json entries = shared.entries;
@@ -222,10 +255,10 @@ void Service::remove_shared(const std::string& volume_id, const std::string& att
   try {
     for (int attempt = 0; attempt < 20; ++attempt) {
       SharedAttachments shared = read_shared(volume_id);
-      if (!shared.entries.contains(attachment_id)) return;
-      shared.entries.erase(attachment_id);
-      if (volumes_.write_record(volume_id, Json{{"attachments", shared.entries}}.dump(),
-                                shared.version)) {
+      const bool present = shared.entries.erase(attachment_id) != 0;
+      if (!present || volumes_.write_record(volume_id, Json{{"attachments", shared.entries}}.dump(),
+                                            shared.version)) {
+        volumes_.unlink_attachment(attachment_id);
         return;
       }
     }

@@ -56,6 +56,7 @@ Json Service::attachment_json(const AttachmentRow& a, const VolumeRow& v) {
   Json info = connection_info(a, v, connector);
   return Json{{"id", a.id},
               {"volume_id", a.volume_id},
+              {"gateway", volumes_.shared() ? Json(gateway_id_) : Json(nullptr)},
               {"instance_uuid", a.instance_uuid},
               {"attached_host", or_null(a.attached_host)},
               {"mode", to_string(a.mode)},

@@ -209,6 +209,30 @@ void VolumeRegistry::watch(const std::string& id, const lvm::VolumeStore::Record
   }
 }
 
+void VolumeRegistry::link_attachment(const std::string& attachment_id,
+                                     const std::string& volume_id) {
+  if (lvm::StoreError e = store_.link_attachment(attachment_id, volume_id)) {
+    throw ApiError("internal", "attachment " + attachment_id + ": " + e.message);
+  }
+}
+
+std::optional<std::string> VolumeRegistry::linked_volume(const std::string& attachment_id) {
+  std::string volume_id;
+  lvm::StoreError e = store_.linked_volume(attachment_id, volume_id);
+  if (e.code.value() == ENOENT) return std::nullopt;
+  if (e) throw ApiError("internal", "attachment " + attachment_id + ": " + e.message);
+  return volume_id;
+}
+
+void VolumeRegistry::unlink_attachment(const std::string& attachment_id) {
+  if (lvm::StoreError e = store_.unlink_attachment(attachment_id)) {
+    spdlog::warn(
+        "control: attachment {}: {}; a stale link is left (harmless: its volume's "
+        "record no longer holds it)",
+        attachment_id, e.message);
+  }
+}
+
 bool VolumeRegistry::notify(const std::string& id, std::chrono::milliseconds timeout) {
   if (lvm::StoreError e = store_.notify_record(id, timeout)) {
     spdlog::warn("control: volume {}: {}", id, e.message);

@@ -55,6 +55,12 @@ class VolumeRegistry {
   void watch(const std::string& id, const lvm::VolumeStore::RecordChanged& changed);
   void unwatch(const std::string& id) { store_.unwatch_record(id); }
   bool notify(const std::string& id, std::chrono::milliseconds timeout);
+  // Which volume's record holds an attachment (lvm::VolumeStore::link_attachment):
+  // link_attachment() throws ApiError (internal); linked_volume() is nullopt when there is no
+  // link and throws when it cannot be read; unlink_attachment() only logs a failure.
+  void link_attachment(const std::string& attachment_id, const std::string& volume_id);
+  std::optional<std::string> linked_volume(const std::string& attachment_id);
+  void unlink_attachment(const std::string& attachment_id);
 
   // Waits for and takes the volume's lock. The table keeps an entry only while someone holds
   // or waits for it: ids come from clients, unknown ones included.

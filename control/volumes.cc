@@ -227,11 +227,7 @@ Json Service::volume_show(const std::string& id) {
       return out;
     }
     for (const AttachmentRow& a : elsewhere(shared)) {
-      others.push_back({{"id", a.id},
-                        {"gateway", shared.entries[a.id].value("gateway", "")},
-                        {"instance_uuid", a.instance_uuid},
-                        {"attached_host", a.attached_host},
-                        {"mode", std::string(to_string(a.mode))}});
+      others.push_back(elsewhere_json(id, a.id, shared.entries[a.id]));
     }
     out["attachments_elsewhere"] = std::move(others);
   }

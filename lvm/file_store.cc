@@ -165,6 +165,20 @@ StoreError VolumeStore::notify_record(const std::string& /*id*/,
   return {};
 }
 
+StoreError VolumeStore::link_attachment(const std::string& /*attachment_id*/,
+                                        const std::string& /*volume_id*/) {
+  return {};
+}
+
+StoreError VolumeStore::linked_volume(const std::string& attachment_id,
+                                      std::string& /*volume_id*/) {
+  return StoreError::from_errno(ENOENT, "no shared link of attachment " + attachment_id);
+}
+
+StoreError VolumeStore::unlink_attachment(const std::string& /*attachment_id*/) {
+  return {};
+}
+
 StoreError VolumeStore::load_definition(const std::string& id, std::string& /*text*/) {
   return StoreError::from_errno(ENOENT, "no shared definition of volume " + id);
 }

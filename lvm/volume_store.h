@@ -89,6 +89,13 @@ class VolumeStore {
   virtual StoreError watch_record(const std::string& id, const RecordChanged& changed);
   virtual void unwatch_record(const std::string& id);
   virtual StoreError notify_record(const std::string& id, std::chrono::milliseconds timeout);
+  // For a store that several gateways share: which volume's record an attachment is in, so
+  // that any gateway finds an attachment by its id alone. Forgetting one that is not linked
+  // succeeds. A local store keeps none (saving succeeds, loading is ENOENT).
+  virtual StoreError link_attachment(const std::string& attachment_id,
+                                     const std::string& volume_id);
+  virtual StoreError linked_volume(const std::string& attachment_id, std::string& volume_id);
+  virtual StoreError unlink_attachment(const std::string& attachment_id);
 };
 
 // Copies the first `length` bytes of `from` into `to`, a freshly made backing that reads as

@@ -22,6 +22,8 @@ constexpr const char* kDefinitionKey = "shareblk.volume";
 // The RADOS object of a volume's shared record (read_record), and its version's xattr.
 constexpr const char* kRecordPrefix = "shareblk.volume.";
 constexpr const char* kRecordVersion = "shareblk.version";
+// The RADOS object that names an attachment's volume (link_attachment).
+constexpr const char* kLinkPrefix = "shareblk.attachment.";
 
 lvm::StoreError failure(int rc, const std::string& what) {
   return lvm::StoreError::from_errno(-rc, what);
@@ -270,6 +272,31 @@ class RbdVolumeStore final : public lvm::VolumeStore {
                                  static_cast<uint64_t>(timeout.count()), &reply, &reply_length);
     if (reply) rados_buffer_free(reply);
     if (rc < 0) return failure(rc, "notify the watchers of " + where(oid));
+    return {};
+  }
+
+  // A small object per attachment naming its volume; written once, removed at its detach.
+  lvm::StoreError link_attachment(const std::string& attachment_id,
+                                  const std::string& volume_id) override {
+    const std::string oid = kLinkPrefix + attachment_id;
+    const int rc = rados_write_full(cluster_->io, oid.c_str(), volume_id.data(), volume_id.size());
+    if (rc < 0) return failure(rc, "write " + where(oid));
+    return {};
+  }
+
+  lvm::StoreError linked_volume(const std::string& attachment_id, std::string& volume_id) override {
+    const std::string oid = kLinkPrefix + attachment_id;
+    std::string data(512, '\0');
+    const int rc = rados_read(cluster_->io, oid.c_str(), data.data(), data.size(), 0);
+    if (rc < 0) return failure(rc, "read " + where(oid));
+    volume_id.assign(data.data(), static_cast<size_t>(rc));
+    return {};
+  }
+
+  lvm::StoreError unlink_attachment(const std::string& attachment_id) override {
+    const std::string oid = kLinkPrefix + attachment_id;
+    const int rc = rados_remove(cluster_->io, oid.c_str());
+    if (rc < 0 && rc != -ENOENT) return failure(rc, "remove " + where(oid));
     return {};
   }
 

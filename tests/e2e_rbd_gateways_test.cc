@@ -207,6 +207,51 @@ TEST_F(RbdGateways, ADetachOnAnotherGatewayRevokesTheAttachmentWhereItIsServed) 
   for (auto& g : gateway_) EXPECT_EQ(g->stop(SIGTERM), 0) << g->log();
 }
 
+// Any gateway shows, lists and deletes an attachment another gateway serves, knowing only
+// its id: the link in RADOS leads to the volume's record.
+TEST_F(RbdGateways, AnyGatewayShowsListsAndDeletesAnotherGatewaysAttachment) {
+  const std::string id = rpc_ok(socket(0), "volume_create",
+                                {{"name", "shared"}, {"size", "8M"}, {"multiattach", true}})["id"];
+  const Json first = attach(0, id, "vm-1", "rw");
+  const Json second = attach(1, id, "vm-2", "ro");
+  NbdHandle a = open_nbd(first);
+  ASSERT_TRUE(a) << nbd_get_error();
+  const std::string gateway1 = read_file(dir_ / "gw1/gateway-id", 0, 36);
+
+  const Json there = rpc_ok(socket(0), "attachment_show", {{"attachment_id", first["id"]}});
+  EXPECT_EQ(there["gateway"], gateway1) << there.dump();
+  const Json seen = rpc_ok(socket(1), "attachment_show", {{"attachment_id", first["id"]}});
+  EXPECT_EQ(seen["gateway"], gateway1) << seen.dump();
+  EXPECT_EQ(seen["volume_id"], id);
+  EXPECT_EQ(seen["instance_uuid"], "vm-1");
+  EXPECT_EQ(seen["mode"], "rw");
+  EXPECT_EQ(seen["attach_status"], "attached");
+  EXPECT_TRUE(seen["connection_info"].is_null()) << seen.dump();  // its gateway's to give
+
+  const Json listed = rpc_ok(socket(1), "attachment_list", {{"volume_id", id}});
+  ASSERT_EQ(listed.size(), 2U) << listed.dump();
+  EXPECT_EQ(listed[0]["id"], second["id"]);  // its own first
+  EXPECT_EQ(listed[1]["id"], first["id"]);
+  EXPECT_EQ(rpc_ok(socket(0), "attachment_list", Json::object()).size(), 1U);  // own only
+
+  const Json deleted = rpc_ok(socket(1), "attachment_delete", {{"attachment_id", first["id"]}});
+  EXPECT_EQ(deleted["attach_status"], "detached") << deleted.dump();
+  EXPECT_EQ(rpc_ok(socket(0), "attachment_show", {{"attachment_id", first["id"]}})["attach_status"],
+            "detached");
+  std::string back(4096, '\0');
+  EXPECT_EQ(nbd_pread(a.get(), back.data(), back.size(), 0, 0), -1);  // cut off where served
+  EXPECT_EQ(rpc_reason(socket(1), "attachment_show", {{"attachment_id", first["id"]}}),
+            "not_found");  // history stays with its gateway
+  EXPECT_EQ(rpc_ok(socket(1), "attachment_list", {{"volume_id", id}}).size(), 1U);
+  RunResult link = run({"rados", "-c", ceph_->conf_path(), "-p", ceph_->pool(), "stat",
+                        "shareblk.attachment." + first["id"].get<std::string>()},
+                       std::chrono::seconds(30));
+  EXPECT_NE(link.status, 0) << "the link outlived its attachment: " << link.output;
+  EXPECT_EQ(rpc_reason(socket(1), "attachment_delete", {{"attachment_id", "no-such-attachment"}}),
+            "not_found");
+  for (auto& g : gateway_) EXPECT_EQ(g->stop(SIGTERM), 0) << g->log();
+}
+
 // The case: a volume attached read-write through gateway 1 (its writer) and read-only
 // through gateway 2; gateway 1 hangs (SIGSTOP) with writes sent to it; gateway 2's attachment
 // becomes read-write and takes over. When gateway 1 resumes, none of the writes it got while
