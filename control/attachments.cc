@@ -204,7 +204,7 @@ Json Service::attachment_create(const AttachmentSpec& spec) {
   if (becomes_writer) {
     spdlog::info("control: volume {}: writer (none) -> {} (generation {})", v.id, a.id,
                  v.fencing_generation);
-    republish(v);
+    publish_writer(v);
   }
   return attachment_json(a, v);
 }
@@ -308,7 +308,7 @@ Json Service::detach(const std::string& volume_id, const std::string& attachment
   if (was_writer) {
     make_writer(v, "", a.detach_time);
     // Its writes are drained: another gateway may take the lock, once the record says so.
-    republish(v);
+    publish_writer(v);
     release_shared_writer(v);
   }
   Json out;

@@ -273,6 +273,10 @@ class Service {
   // After a change is committed here: publish(), a failure only logged (gateways that learn
   // the volume later see the definition before the change).
   void republish(const VolumeRow& v);
+  // After this gateway's writer of a single-writer volume in a shared store changed (made,
+  // taken over, gone, taken back at start): records it, with the lock holder that backs it,
+  // in the definition's writer part; a failure only logged.
+  void publish_writer(const VolumeRow& v);
   static AttachmentRow find_attachment(Database::Transaction& tx, const std::string& id);
   // views.cc
   Json volume_json(Database::Transaction& tx, const VolumeRow& v);

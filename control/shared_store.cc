@@ -16,6 +16,8 @@ namespace shareblk::control {
 
 namespace {
 
+using DefinitionPart = lvm::VolumeStore::DefinitionPart;
+
 std::string definition_of(const VolumeRow& v) {
   Json d{{"name", v.name},
          {"size", v.size},
@@ -24,11 +26,6 @@ std::string definition_of(const VolumeRow& v) {
          {"writer_policy", std::string(to_string(v.writer_policy))},
          {"created_at", v.created_at}};
   if (!v.qos.empty()) d["qos"] = v.qos;
-  // Who was made the writer last, on whichever gateway: a gateway that restarts with another
-  // writer on record was taken over while it was down or hung (reclaim_shared_writer).
-  if (v.writer_policy == WriterPolicy::Single) {
-    d["writer"] = v.writer.empty() ? Json(nullptr) : Json(v.writer);
-  }
   return d.dump();
 }
 
@@ -76,7 +73,31 @@ std::string gateway_id(const std::filesystem::path& state_dir) {
 }
 
 void Service::publish(const VolumeRow& v) {
-  if (volumes_.shared()) volumes_.save_definition(v.id, definition_of(v));
+  if (volumes_.shared()) volumes_.save_definition(v.id, DefinitionPart::Volume, definition_of(v));
+}
+
+// Who was made the writer last, on whichever gateway, and the lock holder (a client instance
+// of its gateway) that backs it: a gateway that restarts with another writer on record was
+// taken over while it was down or hung; one that finds its own writer on record and the lock
+// still with that holder has crashed holding it (reclaim_shared_writer). Only the gateway
+// that holds or has just given up the lock writes it.
+void Service::publish_writer(const VolumeRow& v) {
+  if (!volumes_.shared() || v.writer_policy != WriterPolicy::Single) return;
+  try {
+    std::string holder;
+    if (!v.writer.empty()) {
+      const auto volume = volumes_.open(v.id, v.size);
+      if (volume && volume->remote()) volume->remote()->lock_owner(holder);
+    }
+    const Json d{{"writer", v.writer.empty() ? Json(nullptr) : Json(v.writer)},
+                 {"lock_holder", holder.empty() ? Json(nullptr) : Json(holder)}};
+    volumes_.save_definition(v.id, DefinitionPart::Writer, d.dump());
+  } catch (const ApiError& e) {
+    spdlog::error(
+        "control: {}; a restart of the gateway whose writer this record names may take its "
+        "writer for taken over",
+        e.what());
+  }
 }
 
 void Service::republish(const VolumeRow& v) {
@@ -90,7 +111,7 @@ void Service::republish(const VolumeRow& v) {
 
 std::optional<VolumeRow> Service::learn_volume(Database::Transaction& tx, const std::string& id) {
   if (!volumes_.shared() || tx.snapshot(id)) return std::nullopt;
-  const std::optional<std::string> text = volumes_.load_definition(id);
+  const std::optional<std::string> text = volumes_.load_definition(id, DefinitionPart::Volume);
   if (!text) return std::nullopt;
   std::optional<VolumeRow> v = volume_of_definition(id, *text);
   if (!v) {
@@ -136,7 +157,7 @@ std::string Service::fence_shared_writer(const VolumeRow& v) {
   if (!volumes_.shared() || v.writer_policy != WriterPolicy::Single) return "";
   const auto volume = volumes_.open(v.id, v.size);
   std::string fenced;
-  if (const int err = shared_image(volume, v.id).fence_writer(fenced)) {
+  if (const int err = shared_image(volume, v.id).fence_writer(fenced, "")) {
     throw ApiError("internal", "volume " + v.id +
                                    ": cannot fence the gateway holding its image's lock" +
                                    (fenced.empty() ? "" : " (" + fenced + ")") + ": " +
@@ -150,13 +171,40 @@ std::string Service::fence_shared_writer(const VolumeRow& v) {
 }
 
 bool Service::reclaim_shared_writer(Database::Transaction& tx, VolumeRow& v) {
+  if (!volumes_.shared() || v.writer_policy != WriterPolicy::Single) return true;
   try {
     // The lock may be free again (the new writer detached): the record still tells.
-    const std::optional<std::string> text =
-        volumes_.shared() ? volumes_.load_definition(v.id) : std::nullopt;
+    const std::optional<std::string> text = volumes_.load_definition(v.id, DefinitionPart::Writer);
     const Json d = text ? Json::parse(*text, nullptr, false) : Json();
     const bool taken_over = d.is_object() && d.contains("writer") && d["writer"] != v.writer;
-    if (!taken_over && claim_shared_writer(v)) return true;
+    if (!taken_over && claim_shared_writer(v)) {
+      publish_writer(v);  // held by this run's client now
+      return true;
+    }
+    // Still held by the client this gateway had before a crash (its watch outlives it by
+    // 30 s): that client, and only it, is cut off. A takeover elsewhere since would have
+    // broken its lock, or recorded another writer.
+    const std::string holder =
+        d.is_object() && d.value("lock_holder", Json()).is_string() ? d["lock_holder"] : "";
+    if (!taken_over && !holder.empty()) {
+      const auto volume = volumes_.open(v.id, v.size);
+      std::string fenced;
+      const int err = shared_image(volume, v.id).fence_writer(fenced, holder);
+      if (err == 0) {
+        spdlog::warn(
+            "control: volume {}: writer {} taken back from this gateway's previous client {} "
+            "(blocklisted; its lock broken)",
+            v.id, v.writer, holder);
+        publish_writer(v);
+        return true;
+      }
+      if (err != EBUSY) {
+        throw ApiError("internal", "volume " + v.id +
+                                       ": cannot fence this gateway's previous "
+                                       "client " +
+                                       holder + ": " + std::strerror(err));
+      }
+    }
     spdlog::warn("control: volume {}: writer {} was taken over by another gateway; no writer now",
                  v.id, v.writer);
     make_writer(v, "", now_iso());

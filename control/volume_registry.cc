@@ -172,15 +172,17 @@ std::string VolumeRegistry::set_missing(const std::string& id, const std::string
   return it->second;
 }
 
-void VolumeRegistry::save_definition(const std::string& id, const std::string& text) {
-  if (lvm::StoreError e = store_.save_definition(id, text)) {
+void VolumeRegistry::save_definition(const std::string& id, lvm::VolumeStore::DefinitionPart part,
+                                     const std::string& text) {
+  if (lvm::StoreError e = store_.save_definition(id, part, text)) {
     throw ApiError("internal", "volume " + id + ": " + e.message);
   }
 }
 
-std::optional<std::string> VolumeRegistry::load_definition(const std::string& id) {
+std::optional<std::string> VolumeRegistry::load_definition(const std::string& id,
+                                                           lvm::VolumeStore::DefinitionPart part) {
   std::string text;
-  if (lvm::StoreError e = store_.load_definition(id, text)) {
+  if (lvm::StoreError e = store_.load_definition(id, part, text)) {
     if (!is_missing(e)) {
       spdlog::warn("control: volume {}: {}", id, e.message);
     }

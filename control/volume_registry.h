@@ -40,9 +40,12 @@ class VolumeRegistry {
   // volume's definition is saved with its backing, and its writer holds the image's lock.
   bool shared() const { return !store_.local(); }
   // Throws ApiError (internal) when it cannot be saved.
-  void save_definition(const std::string& id, const std::string& text);
-  // nullopt when the store has no definition of `id` (no such volume, or it was never saved).
-  std::optional<std::string> load_definition(const std::string& id);
+  void save_definition(const std::string& id, lvm::VolumeStore::DefinitionPart part,
+                       const std::string& text);
+  // nullopt when the store has no such part of `id`'s definition (no such volume, or it was
+  // never saved) or it cannot be read (logged).
+  std::optional<std::string> load_definition(const std::string& id,
+                                             lvm::VolumeStore::DefinitionPart part);
 
   // The volume's record shared by the gateways (lvm::VolumeStore::read_record): throws
   // ApiError (internal) when it cannot be read or written; write_record() returns false when

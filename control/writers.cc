@@ -131,7 +131,7 @@ Json Service::volume_takeover(const std::string& volume_id, const std::string& a
                        "; no attachment writes until a takeover succeeds");
   }
   crash_point("volume_takeover:recorded");
-  republish(v);
+  publish_writer(v);
   exports_.set_write_access(a.id, true);
   exports_.cut_subscribers(a.id);  // nbdkit resolved it without write access: connect again
   spdlog::info("control: volume {}: takeover: writer {} -> {} (generation {})", v.id,
@@ -171,7 +171,7 @@ Json Service::change_mode(const std::string& id, backend::AttachMode mode) {
     a.write_access_since.clear();
     if (v.writer == a.id) {
       make_writer(v, "", now);
-      republish(v);
+      publish_writer(v);
       release_shared_writer(v);
     }
   } else if (v.writer_policy == WriterPolicy::Single && v.writer.empty() &&
@@ -216,7 +216,7 @@ Json Service::change_mode(const std::string& id, backend::AttachMode mode) {
     spdlog::info("control: volume {}: writer {} -> {} (generation {})", v.id,
                  was_writer.empty() ? "(none)" : was_writer, v.writer.empty() ? "(none)" : v.writer,
                  v.fencing_generation);
-    if (!v.writer.empty()) republish(v);  // a demotion's was, before the lock went
+    if (!v.writer.empty()) publish_writer(v);  // a demotion's was, before the lock went
   }
   return attachment_json(a, v);
 }

@@ -138,7 +138,8 @@ StoreError VolumeStore::clone(const std::string& /*from*/, const std::string& /*
   return StoreError::from_errno(ENOTSUP, "clone");
 }
 
-StoreError VolumeStore::save_definition(const std::string& /*id*/, const std::string& /*text*/) {
+StoreError VolumeStore::save_definition(const std::string& /*id*/, DefinitionPart /*part*/,
+                                        const std::string& /*text*/) {
   return {};
 }
 
@@ -179,7 +180,8 @@ StoreError VolumeStore::unlink_attachment(const std::string& /*attachment_id*/) 
   return {};
 }
 
-StoreError VolumeStore::load_definition(const std::string& id, std::string& /*text*/) {
+StoreError VolumeStore::load_definition(const std::string& id, DefinitionPart /*part*/,
+                                        std::string& /*text*/) {
   return StoreError::from_errno(ENOENT, "no shared definition of volume " + id);
 }
 

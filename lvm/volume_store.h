@@ -67,10 +67,14 @@ class VolumeStore {
 
   // For a store that several gateways share (not local()): a volume's definition, text the
   // control plane writes and reads back, kept with the backing so that another gateway can
-  // serve the volume (docs/scale-out.md, "Several gateways"). A local store keeps none:
-  // saving succeeds and loading is ENOENT.
-  virtual StoreError save_definition(const std::string& id, const std::string& text);
-  virtual StoreError load_definition(const std::string& id, std::string& text);
+  // serve the volume (docs/scale-out.md, "Several gateways"). Its parts are written apart,
+  // each whole: what the volume is, and who its writer is (written only by the gateway that
+  // holds or takes the writer's lock). A local store keeps none: saving succeeds and
+  // loading is ENOENT.
+  enum class DefinitionPart { Volume, Writer };
+  virtual StoreError save_definition(const std::string& id, DefinitionPart part,
+                                     const std::string& text);
+  virtual StoreError load_definition(const std::string& id, DefinitionPart part, std::string& text);
 
   // For a store that several gateways share: a small record per volume that they all read and
   // change (its attachments across gateways), with a version: 0 and "" when there is none.

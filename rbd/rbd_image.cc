@@ -233,15 +233,32 @@ int RbdImage::owners_elsewhere(std::vector<std::string>& out) {
 // OSD map carrying that is awaited, and only then is its lock removed. From then on the OSDs
 // refuse every request of the old holder, including those it sent before and those a hung
 // process sends when it resumes.
-int RbdImage::fence_writer(std::string& fenced) {
+int RbdImage::fence_writer(std::string& fenced, const std::string& only) {
   std::vector<std::string> owners;
   if (int rc = owners_elsewhere(owners); rc < 0) return to_errno(rc);
+  if (!only.empty() && !owners.empty() && owners != std::vector<std::string>{only}) return EBUSY;
+  // rbd_lock_break refuses (EBUSY) when the lock has changed hands since it was read.
   for (const std::string& owner : owners) {
     const int rc = rbd_lock_break(image_, RBD_LOCK_MODE_EXCLUSIVE, owner.c_str());
     if (rc < 0 && rc != -ENOENT) return to_errno(rc);  // not fenced: no write access here
     fenced += (fenced.empty() ? "" : ", ") + owner;
   }
   return claim_writer();
+}
+
+int RbdImage::lock_owner(std::string& out) {
+  out.clear();
+  int owner = 0;
+  if (int rc = rbd_is_exclusive_lock_owner(image_, &owner); rc < 0) return to_errno(rc);
+  if (owner == 0) return 0;
+  rbd_lock_mode_t mode{};
+  std::array<char*, 4> owners{};
+  size_t count = owners.size();
+  const int rc = rbd_lock_get_owners(image_, &mode, owners.data(), &count);
+  if (rc < 0) return to_errno(rc);
+  if (count > 0) out = owners[0];
+  rbd_lock_get_owners_cleanup(owners.data(), count);
+  return 0;
 }
 
 void RbdImage::release_writer() {

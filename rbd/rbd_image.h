@@ -49,7 +49,8 @@ class RbdImage final : public backend::RemoteImage {
   int size(uint64_t& out) override;
   bool writable() const override { return true; }
   int claim_writer() override;
-  int fence_writer(std::string& fenced) override;
+  int fence_writer(std::string& fenced, const std::string& only) override;
+  int lock_owner(std::string& out) override;
   void release_writer() override;
 
  private:

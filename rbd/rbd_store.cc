@@ -17,8 +17,10 @@ namespace shareblk::rbd {
 namespace {
 
 constexpr const char* kPrefix = "volume-";
-// The image metadata key that holds a volume's definition (save_definition).
-constexpr const char* kDefinitionKey = "shareblk.volume";
+// The image metadata keys that hold a volume's definition (save_definition).
+const char* definition_key(lvm::VolumeStore::DefinitionPart part) {
+  return part == lvm::VolumeStore::DefinitionPart::Writer ? "shareblk.writer" : "shareblk.volume";
+}
 // The RADOS object of a volume's shared record (read_record), and its version's xattr.
 constexpr const char* kRecordPrefix = "shareblk.volume.";
 constexpr const char* kRecordVersion = "shareblk.version";
@@ -143,19 +145,21 @@ class RbdVolumeStore final : public lvm::VolumeStore {
 
   // In the image's own metadata: it goes with the image, and librbd sends the write to the
   // gateway holding the image's lock, if another does.
-  lvm::StoreError save_definition(const std::string& id, const std::string& text) override {
+  lvm::StoreError save_definition(const std::string& id, DefinitionPart part,
+                                  const std::string& text) override {
     const std::string name = image_name(id);
     ScopedImage image;
     if (int rc = rbd_open(cluster_->io, name.c_str(), &image.image, nullptr); rc < 0) {
       return failure(rc, "open RBD image " + where(name));
     }
-    if (int rc = rbd_metadata_set(image.image, kDefinitionKey, text.c_str()); rc < 0) {
+    if (int rc = rbd_metadata_set(image.image, definition_key(part), text.c_str()); rc < 0) {
       return failure(rc, "record the volume's definition in RBD image " + where(name));
     }
     return {};
   }
 
-  lvm::StoreError load_definition(const std::string& id, std::string& text) override {
+  lvm::StoreError load_definition(const std::string& id, DefinitionPart part,
+                                  std::string& text) override {
     const std::string name = image_name(id);
     ScopedImage image;
     if (int rc = rbd_open_read_only(cluster_->io, name.c_str(), &image.image, nullptr); rc < 0) {
@@ -164,7 +168,8 @@ class RbdVolumeStore final : public lvm::VolumeStore {
     std::string value(4096, '\0');
     size_t length = value.size();
     int rc = 0;
-    while ((rc = rbd_metadata_get(image.image, kDefinitionKey, value.data(), &length)) == -ERANGE) {
+    while ((rc = rbd_metadata_get(image.image, definition_key(part), value.data(), &length)) ==
+           -ERANGE) {
       value.resize(length);
     }
     if (rc < 0) return failure(rc, "the volume's definition in RBD image " + where(name));

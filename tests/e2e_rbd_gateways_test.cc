@@ -207,6 +207,52 @@ TEST_F(RbdGateways, ADetachOnAnotherGatewayRevokesTheAttachmentWhereItIsServed) 
   for (auto& g : gateway_) EXPECT_EQ(g->stop(SIGTERM), 0) << g->log();
 }
 
+// A writer's gateway that crashes (kill -9) leaves the image's lock with its dead client; at
+// its restart it finds its own writer on record with that client as the holder, fences that
+// client only, and its writer writes again. A volume_update through the other gateway
+// meanwhile does not change who the record says the writer is.
+TEST_F(RbdGateways, AWritersGatewayThatCrashedTakesItsWriterBackAtRestart) {
+  const std::string id = rpc_ok(socket(0), "volume_create",
+                                {{"name", "quorum"},
+                                 {"size", "8M"},
+                                 {"multiattach", true},
+                                 {"writer_policy", "single"}})["id"];
+  const Json writer = attach(0, id, "host-a", "rw");
+  const Json standby = attach(1, id, "host-b", "rw");
+  EXPECT_EQ(standby["write_access"], false) << standby.dump();
+  {
+    NbdHandle a = open_nbd(writer);
+    ASSERT_TRUE(a) << nbd_get_error();
+    const std::string block = patterned(4096, 21);
+    ASSERT_EQ(nbd_pwrite(a.get(), block.data(), block.size(), 0, LIBNBD_CMD_FLAG_FUA), 0)
+        << nbd_get_error();
+  }
+  rpc_ok(socket(1), "volume_update", {{"volume_id", id}, {"name", "quorum-disk"}});
+  gateway_[0]->stop(SIGKILL);
+
+  gateway_[0] = start(0);  // within the dead client's 30 s: it still holds the lock
+  const Json back = rpc_ok(socket(0), "attachment_show", {{"attachment_id", writer["id"]}});
+  EXPECT_EQ(back["write_access"], true) << back.dump() << gateway_[0]->log();
+  EXPECT_EQ(rpc_ok(socket(0), "volume_show", {{"volume_id", id}})["writer"], writer["id"]);
+  NbdHandle a = open_nbd(writer);
+  ASSERT_TRUE(a) << nbd_get_error();
+  const std::string block = patterned(4096, 22);
+  EXPECT_EQ(nbd_pwrite(a.get(), block.data(), block.size(), 4096, LIBNBD_CMD_FLAG_FUA), 0)
+      << nbd_get_error();
+  EXPECT_TRUE(image_bytes(id, 0, 4096) == patterned(4096, 21));
+  EXPECT_TRUE(image_bytes(id, 4096, 4096) == block);
+  // The standby on gateway 2 is still one, and a takeover still fences the writer's gateway.
+  EXPECT_EQ(
+      rpc_ok(socket(1), "attachment_show", {{"attachment_id", standby["id"]}})["write_access"],
+      false);
+  const Json took =
+      rpc_ok(socket(1), "volume_takeover", {{"volume_id", id}, {"attachment_id", standby["id"]}});
+  EXPECT_TRUE(took["fenced_gateway"].is_string()) << took.dump();
+  a.reset();
+  gateway_[0]->stop(SIGTERM);  // fenced: whatever its exit says
+  EXPECT_EQ(gateway_[1]->stop(SIGTERM), 0) << gateway_[1]->log();
+}
+
 // Any gateway shows, lists and deletes an attachment another gateway serves, knowing only
 // its id: the link in RADOS leads to the volume's record.
 TEST_F(RbdGateways, AnyGatewayShowsListsAndDeletesAnotherGatewaysAttachment) {
