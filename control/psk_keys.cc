@@ -10,6 +10,8 @@
 #include <cstring>
 #include <stdexcept>
 
+#include "control/small_file.h"
+
 namespace shareblk::control {
 
 namespace {
@@ -26,18 +28,10 @@ PskKeys::PskKeys(const std::string& path) {
   char buf[kSecretBytes];
   int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW);
   if (fd < 0 && errno == ENOENT) {
-    // Written under a temporary name and renamed: a crash never leaves a short secret.
-    const std::string temp = path + ".new";
+    // A crash never leaves a short secret.
     if (gnutls_rnd(GNUTLS_RND_KEY, buf, sizeof buf) != 0) fail(path, "no random bytes");
-    const int out = ::open(temp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
-    if (out < 0) fail(temp, std::strerror(errno));
-    const bool written =
-        ::write(out, buf, sizeof buf) == static_cast<ssize_t>(sizeof buf) && ::fsync(out) == 0;
-    const int saved = errno;
-    ::close(out);
-    if (!written || ::rename(temp.c_str(), path.c_str()) != 0) {
-      ::unlink(temp.c_str());
-      fail(path, std::strerror(written ? errno : saved));
+    if (const int err = replace_small_file(path, std::string(buf, sizeof buf), 0600)) {
+      fail(path, std::strerror(err));
     }
     fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW);
   }

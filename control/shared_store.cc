@@ -11,6 +11,7 @@
 #include <thread>
 
 #include "control/service.h"
+#include "control/small_file.h"
 
 namespace shareblk::control {
 
@@ -58,16 +59,9 @@ std::string gateway_id(const std::filesystem::path& state_dir) {
   std::string id;
   if (std::ifstream in(path); in >> id && !id.empty()) return id;
   id = new_uuid();
-  const std::filesystem::path aside = path.string() + ".new";
-  {
-    std::ofstream out(aside, std::ios::trunc);
-    out << id << "\n";
-    out.flush();
-    if (!out) throw std::runtime_error("cannot write " + aside.string());
+  if (const int err = replace_small_file(path, id + "\n", 0644)) {
+    throw std::runtime_error("cannot make " + path.string() + ": " + std::strerror(err));
   }
-  std::error_code ec;
-  std::filesystem::rename(aside, path, ec);
-  if (ec) throw std::runtime_error("cannot make " + path.string() + ": " + ec.message());
   spdlog::info("control: this gateway is {} in the shared store's records", id);
   return id;
 }
