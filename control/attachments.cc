@@ -223,7 +223,9 @@ Json Service::attachment_update(const std::string& id, const Json* connector_par
   // make it a duplicate, which attachment_create could not see yet.
   if (next_status(a.attach_status, AttachEvent::Connect) && a.attached_host.empty() &&
       connector.is_object() && connector.contains("host") && connector["host"].is_string()) {
-    refuse_duplicate(tx.attachments(volume_id), a, connector["host"].get<std::string>());
+    const std::string host = connector["host"].get<std::string>();
+    refuse_duplicate(tx.attachments(volume_id), a, host);
+    share_host(volume_id, a, host);
   }
   connect(tx, a, v, connector);
   try {
@@ -234,6 +236,24 @@ Json Service::attachment_update(const std::string& id, const Json* connector_par
     throw;
   }
   return attachment_json(a, v);
+}
+
+void Service::share_host(const std::string& volume_id, const AttachmentRow& a,
+                         const std::string& host) {
+  if (!volumes_.shared()) return;
+  for (int attempt = 0; attempt <= 20; ++attempt) {
+    SharedAttachments shared = read_shared(volume_id);
+    refuse_duplicate(elsewhere(shared), a, host);
+    if (!shared.entries.contains(a.id)) return;  // pruned: the other gateways do not count it
+    shared.entries[a.id]["attached_host"] = host;
+    if (volumes_.write_record(volume_id, Json{{"attachments", shared.entries}}.dump(),
+                              shared.version)) {
+      return;
+    }
+  }
+  throw ApiError("volume_busy", "volume " + volume_id +
+                                    ": the gateways' record of its attachments kept changing; "
+                                    "try again");
 }
 
 Json Service::attachment_qos(const std::string& id, const target::QosSpec& spec) {

@@ -184,6 +184,10 @@ class Service {
   // changed it since. Throws ApiError (internal).
   bool add_shared(const std::string& volume_id, const SharedAttachments& shared,
                   const AttachmentRow& a);
+  // A reservation's host, given later by its connector: refused as a duplicate of another
+  // gateway's attachment too (duplicate_attachment), then written into its entry with a
+  // guarded write. Throws ApiError.
+  void share_host(const std::string& volume_id, const AttachmentRow& a, const std::string& host);
   // Takes the attachment out of the record; a failure is logged (the next start prunes it).
   void remove_shared(const std::string& volume_id, const std::string& attachment_id);
   // At start: this gateway's entries whose attachments are no longer live here go; the

@@ -177,6 +177,27 @@ TEST_F(RbdGateways, AttachmentRulesHoldAcrossGateways) {
   for (auto& g : gateway_) EXPECT_EQ(g->stop(SIGTERM), 0) << g->log();
 }
 
+// A reservation (no host yet) on one gateway whose connector later names the host of the same
+// instance's attachment on the other gateway is a duplicate, as it is on one gateway.
+TEST_F(RbdGateways, AReservationsHostGivenLaterCountsAcrossGateways) {
+  const std::string id = rpc_ok(socket(0), "volume_create",
+                                {{"name", "shared"}, {"size", "8M"}, {"multiattach", true}})["id"];
+  const Json reserved =
+      rpc_ok(socket(0), "attachment_create", {{"volume_id", id}, {"instance_uuid", "vm-3"}});
+  attach(1, id, "vm-3", "rw");  // host vm-3, on gateway 2
+  EXPECT_EQ(rpc_reason(socket(0), "attachment_update",
+                       {{"attachment_id", reserved["id"]},
+                        {"connector", {{"host", "vm-3"}, {"transport", "unix"}}}}),
+            "duplicate_attachment");
+  const Json other = rpc_ok(socket(0), "attachment_update",
+                            {{"attachment_id", reserved["id"]},
+                             {"connector", {{"host", "host-c"}, {"transport", "unix"}}}});
+  EXPECT_EQ(other["attached_host"], "host-c") << other.dump();
+  const Json seen = rpc_ok(socket(1), "attachment_show", {{"attachment_id", reserved["id"]}});
+  EXPECT_EQ(seen["attached_host"], "host-c") << seen.dump();  // in the record now
+  for (auto& g : gateway_) EXPECT_EQ(g->stop(SIGTERM), 0) << g->log();
+}
+
 // A detach asked of the other gateway reaches the gateway that serves the attachment (a
 // notify on the volume's record): it revokes it there, its NBD client is cut off, and the
 // volume may then be attached elsewhere.
