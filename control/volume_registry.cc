@@ -235,12 +235,10 @@ void VolumeRegistry::unlink_attachment(const std::string& attachment_id) {
   }
 }
 
-bool VolumeRegistry::notify(const std::string& id, std::chrono::milliseconds timeout) {
+void VolumeRegistry::notify(const std::string& id, std::chrono::milliseconds timeout) {
   if (lvm::StoreError e = store_.notify_record(id, timeout)) {
     spdlog::warn("control: volume {}: {}", id, e.message);
-    return false;
   }
-  return true;
 }
 
 void VolumeRegistry::reconcile(

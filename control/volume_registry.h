@@ -54,10 +54,11 @@ class VolumeRegistry {
   bool write_record(const std::string& id, const std::string& text, uint64_t version);
 
   // Watches of the records (lvm::VolumeStore::watch_record): watch() throws ApiError
-  // (internal); notify() returns false when some watcher did not answer in time.
+  // (internal); notify() only logs a watcher that did not answer in time (the caller waits
+  // for the record to change, not for the answers).
   void watch(const std::string& id, const lvm::VolumeStore::RecordChanged& changed);
   void unwatch(const std::string& id) { store_.unwatch_record(id); }
-  bool notify(const std::string& id, std::chrono::milliseconds timeout);
+  void notify(const std::string& id, std::chrono::milliseconds timeout);
   // Which volume's record holds an attachment (lvm::VolumeStore::link_attachment):
   // link_attachment() throws ApiError (internal); linked_volume() is nullopt when there is no
   // link and throws when it cannot be read; unlink_attachment() only logs a failure.
