@@ -104,14 +104,22 @@ Json Service::attachment_create(const AttachmentSpec& spec) {
   a.instance_uuid = spec.instance_uuid;
   a.attached_host = spec.attached_host;
   a.mode = spec.mode;
+  // The volume's lock keeps this gateway's calls on the volume out until the end. What may
+  // wait on a remote store (its backing, the gateways' record, the writer's lock) runs
+  // between two transactions, so that other volumes' calls go on meanwhile.
   const VolumeLock lock = volumes_.lock(spec.volume_id);
-  Database::Transaction tx(db_);
-  VolumeRow v = find_volume(tx, spec.volume_id);
-  refuse_unusable(tx, v, "attached");
+  VolumeRow v;
   std::vector<AttachmentRow> local;
-  for (auto& other : tx.attachments(spec.volume_id)) {
-    if (is_live(other.attach_status)) local.push_back(std::move(other));
+  {
+    Database::Transaction tx(db_);
+    v = find_volume(tx, spec.volume_id);
+    refuse_pending(tx, "volume", v.id, "attached");
+    for (auto& other : tx.attachments(spec.volume_id)) {
+      if (is_live(other.attach_status)) local.push_back(std::move(other));
+    }
+    tx.commit();  // a volume learnt from the shared store
   }
+  refuse_missing("volume", v.id, v.size, "attached");
   a.id = new_uuid();
   a.export_name = random_hex(16);  // 128 random bits: the name is the capability
   a.attach_status = AttachStatus::Reserved;
@@ -174,6 +182,7 @@ Json Service::attachment_create(const AttachmentSpec& spec) {
   exports_.set_write_access(a.id, may_write(a, v));
   hold_if_quiesced(v.id, a.id);  // a snapshot of the volume is being copied
   try {
+    Database::Transaction tx(db_);
     if (spec.connector != nullptr && !spec.connector->is_null()) {
       connect(tx, a, v, *spec.connector);
     }
@@ -214,19 +223,28 @@ Json Service::attachment_update(const std::string& id, const Json* connector_par
   if (connector_params == nullptr) return change_mode(id, mode.value());
   const Json& connector = *connector_params;
   const std::string volume_id = volume_of(id);
-  const VolumeLock lock = volumes_.lock(volume_id);
-  Database::Transaction tx(db_);
-  AttachmentRow a = find_attachment(tx, id);
-  VolumeRow v = find_volume(tx, volume_id);
-  refuse_unusable(tx, v, "attached");
+  const VolumeLock lock = volumes_.lock(volume_id);  // as in attachment_create
+  AttachmentRow a;
+  VolumeRow v;
+  std::vector<AttachmentRow> all;
+  {
+    Database::Transaction tx(db_);
+    a = find_attachment(tx, id);
+    v = find_volume(tx, volume_id);
+    refuse_pending(tx, "volume", v.id, "attached");
+    all = tx.attachments(volume_id);
+    tx.commit();
+  }
+  refuse_missing("volume", v.id, v.size, "attached");
   // A reservation without a host takes the connector's (see connect()): that host must not
   // make it a duplicate, which attachment_create could not see yet.
   if (next_status(a.attach_status, AttachEvent::Connect) && a.attached_host.empty() &&
       connector.is_object() && connector.contains("host") && connector["host"].is_string()) {
     const std::string host = connector["host"].get<std::string>();
-    refuse_duplicate(tx.attachments(volume_id), a, host);
+    refuse_duplicate(all, a, host);
     share_host(volume_id, a, host);
   }
+  Database::Transaction tx(db_);
   connect(tx, a, v, connector);
   try {
     tx.update_attachment(a);

@@ -250,21 +250,31 @@ std::optional<std::string> Service::error_of(const std::optional<IntentRow>& int
   return volumes_.missing(volume_id);
 }
 
-void Service::refuse_unusable(Database::Transaction& tx, const char* what, const std::string& id,
-                              uint64_t size, const char* use) {
-  const std::string refused = std::string(what) + " " + id + " cannot be " + use + ": ";
+namespace {
+
+std::string refused(const char* what, const std::string& id, const char* use) {
+  return std::string(what) + " " + id + " cannot be " + use + ": ";
+}
+
+}  // namespace
+
+void Service::refuse_pending(Database::Transaction& tx, const char* what, const std::string& id,
+                             const char* use) {
   const std::optional<IntentRow> intent = tx.intent(id);
-  std::optional<std::string> why;
-  if (intent) {
-    why = error_of(intent, id);
-    if (!why) {
-      throw ApiError("volume_busy",
-                     refused + "it is being " +
-                         (intent->action == IntentAction::Delete ? "deleted" : "filled"));
-    }
+  if (!intent) return;
+  if (const std::optional<std::string> why = error_of(intent, id)) {
+    throw ApiError("volume_error", refused(what, id, use) + *why);
   }
-  if (!why) why = volumes_.check(id, size);  // afresh in the store
-  if (why) throw ApiError("volume_error", refused + *why);
+  throw ApiError("volume_busy",
+                 refused(what, id, use) + "it is being " +
+                     (intent->action == IntentAction::Delete ? "deleted" : "filled"));
+}
+
+void Service::refuse_missing(const char* what, const std::string& id, uint64_t size,
+                             const char* use) {
+  if (const std::optional<std::string> why = volumes_.check(id, size)) {
+    throw ApiError("volume_error", refused(what, id, use) + *why);
+  }
 }
 
 // The volume an attachment belongs to, looked up before taking that volume's lock.

@@ -256,10 +256,19 @@ class Service {
   // when its status is error (volume_error): a delete or fill of it failed, or its backing is
   // missing (looked for afresh in the store).
   void refuse_unusable(Database::Transaction& tx, const char* what, const std::string& id,
-                       uint64_t size, const char* use);
+                       uint64_t size, const char* use) {
+    refuse_pending(tx, what, id, use);
+    refuse_missing(what, id, size, use);
+  }
   void refuse_unusable(Database::Transaction& tx, const VolumeRow& v, const char* use) {
     refuse_unusable(tx, "volume", v.id, v.size, use);
   }
+  // Its two halves: the database's (an intent: being deleted or filled, or failed) and the
+  // store's (the backing, looked for afresh: a call that can wait on a remote store, made
+  // outside the transaction where the caller can).
+  void refuse_pending(Database::Transaction& tx, const char* what, const std::string& id,
+                      const char* use);
+  void refuse_missing(const char* what, const std::string& id, uint64_t size, const char* use);
   // Why the volume's status is error, or nullopt; `intent` is the volume's, if it has one. A
   // volume with an intent and no error is being deleted or created (filled from an image).
   std::optional<std::string> error_of(const std::optional<IntentRow>& intent,

@@ -162,8 +162,13 @@ std::optional<ApiError> Service::populate(const std::string& id, const std::stri
     work(paced);
     crash_point("volume_create:filled");
     const VolumeLock lock = volumes_.lock(id);
+    std::optional<VolumeRow> v;
+    {
+      Database::Transaction tx(db_);
+      v = tx.volume(id);
+    }
+    if (v) publish(*v);  // before the intent goes: a crash between is finished at start
     Database::Transaction tx(db_);
-    if (const std::optional<VolumeRow> v = tx.volume(id)) publish(*v);
     tx.delete_intent(id);
     tx.commit();
     spdlog::info("control: {} holds its copy of {}", id, what);
@@ -243,6 +248,8 @@ Json Service::volume_show(const std::string& id) {
 Json Service::volume_delete(const std::string& id, bool wait) {
   {
     const VolumeLock lock = volumes_.lock(id);
+    // Before the transaction: the cluster may keep it waiting (none for other stores).
+    const std::vector<AttachmentRow> others = elsewhere(read_shared(id));
     Database::Transaction tx(db_);
     find_volume(tx, id);
     const std::optional<IntentRow> intent = tx.intent(id);
@@ -253,7 +260,7 @@ Json Service::volume_delete(const std::string& id, bool wait) {
                                         "ends (its status is no longer creating)");
     }
     std::vector<AttachmentRow> attachments = tx.attachments(id);
-    for (AttachmentRow& other : elsewhere(read_shared(id))) attachments.push_back(other);
+    attachments.insert(attachments.end(), others.begin(), others.end());
     for (const auto& a : attachments) {
       if (is_live(a.attach_status)) {
         throw ApiError("volume_in_use", "volume " + id + " has attachment " + a.id + " (" +

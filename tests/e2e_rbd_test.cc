@@ -391,6 +391,47 @@ TEST_F(RbdStore, AClusterThatStopsAnsweringFailsRequestsWithEioThenRecovers) {
   EXPECT_TRUE(image_bytes(id, 8192, 4096) == after);
 }
 
+// A cluster that stops answering holds only the calls that need it: while an
+// attachment_create waits for the frozen OSD (up to --ceph-timeout), calls that read only
+// this gateway's own state answer at once, and the create fails with a clear error.
+TEST_F(RbdStore, ACallWaitingForTheClusterHoldsNoOtherCall) {
+  start(4);
+  const std::string id = create("8M");
+  Json created;
+  std::chrono::steady_clock::duration listed_after{};
+  {
+    const CephCluster::Frozen osd = ceph_->freeze_osd();
+    std::thread waiting([&] {
+      created = rpc(socket(), "attachment_create",
+                    {{"volume_id", id},
+                     {"instance_uuid", "vm-1"},
+                     {"connector", {{"host", "vm-1"}, {"transport", "unix"}}}});
+    });
+    std::this_thread::sleep_for(std::chrono::milliseconds(500));
+    const auto begin = std::chrono::steady_clock::now();
+    const Json volumes = rpc_ok(socket(), "volume_list", Json::object());
+    rpc_ok(socket(), "attachment_list", Json::object());
+    listed_after = std::chrono::steady_clock::now() - begin;
+    EXPECT_EQ(volumes.size(), 1U) << volumes.dump();
+    waiting.join();
+  }
+  EXPECT_LT(listed_after, std::chrono::seconds(2));
+  ASSERT_TRUE(created.contains("error")) << created.dump();
+  EXPECT_EQ(created["error"]["data"]["reason"], "internal") << created.dump();
+  // Back: the volume attaches, and nothing of the failed create is left.
+  Json again;
+  for (int i = 0; i < 30; ++i) {  // librbd may take a moment to find its OSD again
+    again = rpc(socket(), "attachment_create",
+                {{"volume_id", id},
+                 {"instance_uuid", "vm-1"},
+                 {"connector", {{"host", "vm-1"}, {"transport", "unix"}}}});
+    if (again.contains("result")) break;
+    std::this_thread::sleep_for(std::chrono::seconds(1));
+  }
+  ASSERT_TRUE(again.contains("result")) << again.dump();
+  EXPECT_EQ(rpc_ok(socket(), "attachment_list", {{"volume_id", id}}).size(), 1U);
+}
+
 // The monitor stops answering (frozen) while a volume is served: I/O goes on, and so do the
 // calls that make and grow images, which talk to the OSDs alone once the daemon has the
 // cluster's maps. (Removing one waited 60 s for the monitor, then went through: it is left
