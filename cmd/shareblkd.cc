@@ -10,6 +10,7 @@
 #include <sys/file.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <boost/program_options.hpp>
 #include <cerrno>
 #include <cstdint>
@@ -34,6 +35,10 @@ namespace po = boost::program_options;
 using namespace shareblk;  // NOLINT(google-build-using-namespace)
 
 namespace {
+
+// Set when the Ceph cluster has fenced this gateway (ClusterOptions::on_fenced): the daemon
+// then stops and exits 3.
+std::atomic<bool> fenced{false};
 
 struct ExportSpec {
   std::string name;
@@ -382,6 +387,13 @@ int run(int argc, char** argv) {
       cluster.conf_path = vm["ceph-conf"].as<std::string>();
       cluster.client_id = vm["ceph-id"].as<std::string>();
       cluster.timeout = std::chrono::seconds(std::max(1u, vm["ceph-timeout"].as<unsigned>()));
+      // Fenced by a takeover on another gateway: every request of this client fails from now
+      // on, for every volume. The daemon stops, and exits 3 for its service manager to start
+      // it again as a new client (docs/scale-out.md, "A fenced gateway").
+      cluster.on_fenced = [] {
+        fenced.store(true);
+        ::kill(::getpid(), SIGTERM);
+      };
       store = rbd::make_rbd_store(cluster, store_error);
     } else {
       store = lvm::make_store(store_spec, state.string(), vm["lvm-config"].as<std::string>(),
@@ -476,6 +488,12 @@ int run(int argc, char** argv) {
     }
   }
   plane.reset();
+  if (fenced.load()) {
+    spdlog::critical(
+        "stopped: the Ceph cluster has blocklisted this gateway's client (a volume_takeover "
+        "on another gateway fenced it); exit status 3: start it again to serve as a new client");
+    return 3;
+  }
   spdlog::info("stopped{}", flushed ? "" : " (a volume could not be flushed: see above)");
   return flushed ? 0 : 1;
 }

@@ -19,6 +19,11 @@ Cluster::~Cluster() {
   if (rados) rados_shutdown(rados);
 }
 
+void Cluster::note(int rc) {
+  // ESHUTDOWN is librados' EBLOCKLISTED.
+  if (rc == -ESHUTDOWN && on_fenced && !fenced.exchange(true)) on_fenced();
+}
+
 int to_errno(int rc) {
   const int err = -rc;
   // ESHUTDOWN is librados' EBLOCKLISTED.
@@ -82,9 +87,14 @@ int RbdImage::start(Op op, uint32_t flags, uint64_t offset, uint64_t length, cha
   }
   if (rc < 0) {
     rbd_aio_release(c);
-    return to_errno(rc);
+    return failed(rc);
   }
   return 0;
+}
+
+int RbdImage::failed(int rc) const {
+  cluster_->note(rc);
+  return to_errno(rc);
 }
 
 size_t RbdImage::poll(Completed* out, size_t max) {
@@ -94,7 +104,7 @@ size_t RbdImage::poll(Completed* out, size_t max) {
   if (n <= 0) return 0;
   for (int i = 0; i < n; ++i) {
     const ssize_t rc = rbd_aio_get_return_value(ended[i]);
-    out[i] = Completed{rbd_aio_get_arg(ended[i]), rc < 0 ? to_errno(static_cast<int>(rc)) : 0};
+    out[i] = Completed{rbd_aio_get_arg(ended[i]), rc < 0 ? failed(static_cast<int>(rc)) : 0};
     rbd_aio_release(ended[i]);
   }
   return static_cast<size_t>(n);
@@ -128,7 +138,7 @@ int RbdImage::execute(Op op, uint32_t flags, uint64_t offset, uint64_t length, c
                             0);
       break;
   }
-  if (rc < 0) return to_errno(static_cast<int>(rc));
+  if (rc < 0) return failed(static_cast<int>(rc));
   // A read or write moves all of it or fails; anything short would be a librbd bug.
   if ((op == Op::Read || op == Op::Write) && static_cast<uint64_t>(rc) != length) return EIO;
   return 0;
@@ -195,7 +205,7 @@ int RbdImage::extents(uint64_t offset, uint64_t length, size_t max_extents,
 
 int RbdImage::size(uint64_t& out) {
   const int rc = rbd_get_size(image_, &out);
-  return rc < 0 ? to_errno(rc) : 0;
+  return rc < 0 ? failed(rc) : 0;
 }
 
 // The image's exclusive lock, taken by hand: librbd then keeps it, and refuses the requests
@@ -205,7 +215,7 @@ int RbdImage::size(uint64_t& out) {
 // decide. So a lock held elsewhere is not asked for.
 int RbdImage::claim_writer() {
   std::vector<std::string> owners;
-  if (int rc = owners_elsewhere(owners); rc < 0) return to_errno(rc);
+  if (int rc = owners_elsewhere(owners); rc < 0) return failed(rc);
   if (!owners.empty()) return EBUSY;
   const int rc = rbd_lock_acquire(image_, RBD_LOCK_MODE_EXCLUSIVE);
   if (rc == -EROFS || rc == -EBUSY) return EBUSY;  // another client holds it by hand
@@ -235,12 +245,12 @@ int RbdImage::owners_elsewhere(std::vector<std::string>& out) {
 // process sends when it resumes.
 int RbdImage::fence_writer(std::string& fenced, const std::string& only) {
   std::vector<std::string> owners;
-  if (int rc = owners_elsewhere(owners); rc < 0) return to_errno(rc);
+  if (int rc = owners_elsewhere(owners); rc < 0) return failed(rc);
   if (!only.empty() && !owners.empty() && owners != std::vector<std::string>{only}) return EBUSY;
   // rbd_lock_break refuses (EBUSY) when the lock has changed hands since it was read.
   for (const std::string& owner : owners) {
     const int rc = rbd_lock_break(image_, RBD_LOCK_MODE_EXCLUSIVE, owner.c_str());
-    if (rc < 0 && rc != -ENOENT) return to_errno(rc);  // not fenced: no write access here
+    if (rc < 0 && rc != -ENOENT) return failed(rc);  // not fenced: no write access here
     fenced += (fenced.empty() ? "" : ", ") + owner;
   }
   return claim_writer();
@@ -249,13 +259,13 @@ int RbdImage::fence_writer(std::string& fenced, const std::string& only) {
 int RbdImage::lock_owner(std::string& out) {
   out.clear();
   int owner = 0;
-  if (int rc = rbd_is_exclusive_lock_owner(image_, &owner); rc < 0) return to_errno(rc);
+  if (int rc = rbd_is_exclusive_lock_owner(image_, &owner); rc < 0) return failed(rc);
   if (owner == 0) return 0;
   rbd_lock_mode_t mode{};
   std::array<char*, 4> owners{};
   size_t count = owners.size();
   const int rc = rbd_lock_get_owners(image_, &mode, owners.data(), &count);
-  if (rc < 0) return to_errno(rc);
+  if (rc < 0) return failed(rc);
   if (count > 0) out = owners[0];
   rbd_lock_get_owners_cleanup(owners.data(), count);
   return 0;

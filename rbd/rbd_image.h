@@ -5,6 +5,7 @@
 #include <rbd/librbd.h>
 
 #include <atomic>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -21,6 +22,11 @@ struct Cluster {
   rados_t rados = nullptr;
   rados_ioctx_t io = nullptr;
   std::string pool;
+  std::function<void()> on_fenced;  // ClusterOptions::on_fenced
+  std::atomic<bool> fenced{false};
+  // Looks at a failed result (< 0): the first that says this client is blocklisted calls
+  // on_fenced.
+  void note(int rc);
 };
 
 // A positive errno for the wire from a librbd or librados result (< 0). A request that timed
@@ -58,6 +64,8 @@ class RbdImage final : public backend::RemoteImage {
   // The clients other than this image's that hold its exclusive lock (none when it holds it
   // or nobody does). Returns 0 or a librbd error (< 0).
   int owners_elsewhere(std::vector<std::string>& out);
+  // to_errno(), having let the cluster note a fence.
+  int failed(int rc) const;
   std::shared_ptr<Cluster> cluster_;
   rbd_image_t image_ = nullptr;
   int event_fd_ = -1;

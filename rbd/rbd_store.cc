@@ -52,6 +52,12 @@ class RbdVolumeStore final : public lvm::VolumeStore {
   std::string kind() const override { return "rbd:" + cluster_->pool; }
   bool local() const override { return false; }
 
+  // The store's calls fail as the images' requests do: a blocklisted client is noted.
+  lvm::StoreError failure(int rc, const std::string& what) const {
+    cluster_->note(rc);
+    return rbd::failure(rc, what);
+  }
+
   lvm::StoreError create(const std::string& id, uint64_t size) override {
     const std::string name = image_name(id);
     // The pool's (or the cluster's) default features: with exclusive-lock, one gateway at a
@@ -356,6 +362,7 @@ std::unique_ptr<lvm::VolumeStore> make_rbd_store(const ClusterOptions& options,
                                                  lvm::StoreError& error) {
   auto cluster = std::make_shared<Cluster>();
   cluster->pool = options.pool;
+  cluster->on_fenced = options.on_fenced;
   const char* id = options.client_id.empty() ? nullptr : options.client_id.c_str();
   if (int rc = rados_create(&cluster->rados, id); rc < 0) {
     cluster->rados = nullptr;

@@ -6,6 +6,7 @@
 #pragma once
 
 #include <chrono>
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -26,6 +27,11 @@ struct ClusterOptions {
   // Connecting, and every request to a monitor or an OSD, fails after this long (then EIO
   // to the client) rather than waiting for the cluster for ever.
   std::chrono::seconds timeout{30};
+  // Called once, on whichever thread first sees it and without blocking it for long, when
+  // the cluster refuses this client as blocklisted: a takeover on another gateway has fenced
+  // this one, and every request of this client will fail from now on (docs/scale-out.md,
+  // "A fenced gateway").
+  std::function<void()> on_fenced;
 };
 
 // Connects to the cluster and opens the pool. A cluster that does not answer within the

@@ -388,7 +388,9 @@ TEST_F(RbdGateways, ATakeoverFencesAHungGatewaySoItsLateWritesNeverLand) {
   EXPECT_TRUE(image_bytes(id, 40 * 4096ULL, 4096) == mine);
   EXPECT_EQ(image_bytes(id, 41 * 4096ULL, 4096), std::string(4096, '\0'));
   a.reset();
-  gateway_[0]->stop(SIGTERM);  // fenced: whatever its exit says
+  // Fenced, gateway 1 stops by itself (no signal sent here) with exit status 3, for its
+  // service manager to start it again as a new client.
+  EXPECT_EQ(gateway_[0]->stop(0), 3) << gateway_[0]->log();
 
   // Restarted (a new cluster client, not blocklisted), gateway 1 finds its writer taken over:
   // it stays attached without write access, and the volume has no writer there; so too when

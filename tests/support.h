@@ -74,7 +74,8 @@ class Daemon {
   Daemon& operator=(const Daemon&) = delete;
 
   pid_t pid() const { return pid_; }
-  // Sends `sig` and waits for the exit; returns the exit status as in RunResult.
+  // Sends `sig` and waits for the exit (30 s, then SIGKILL); returns the exit status as in
+  // RunResult. stop(0) sends nothing: it waits for a daemon that is to exit by itself.
   int stop(int sig = 15);
   const std::string& log_path() const { return log_; }
   std::string log() const;
