@@ -48,6 +48,14 @@ class RbdGateways : public CephSuite {
                    {"mode", mode},
                    {"connector", {{"host", host}, {"transport", "unix"}}}});
   }
+  // A multiattach volume with one writer at most, made through gateway 1.
+  std::string single_writer_volume() {
+    return rpc_ok(socket(0), "volume_create",
+                  {{"name", "quorum"},
+                   {"size", "8M"},
+                   {"multiattach", true},
+                   {"writer_policy", "single"}})["id"];
+  }
   static NbdHandle open_nbd(const Json& attachment) {
     return nbd_connect(attachment["connection_info"]["data"]["uri"].get<std::string>(), nullptr,
                        NbdOptions{false, false});
@@ -233,11 +241,7 @@ TEST_F(RbdGateways, ADetachOnAnotherGatewayRevokesTheAttachmentWhereItIsServed) 
 // client only, and its writer writes again. A volume_update through the other gateway
 // meanwhile does not change who the record says the writer is.
 TEST_F(RbdGateways, AWritersGatewayThatCrashedTakesItsWriterBackAtRestart) {
-  const std::string id = rpc_ok(socket(0), "volume_create",
-                                {{"name", "quorum"},
-                                 {"size", "8M"},
-                                 {"multiattach", true},
-                                 {"writer_policy", "single"}})["id"];
+  const std::string id = single_writer_volume();
   const Json writer = attach(0, id, "host-a", "rw");
   const Json standby = attach(1, id, "host-b", "rw");
   EXPECT_EQ(standby["write_access"], false) << standby.dump();
@@ -325,11 +329,7 @@ TEST_F(RbdGateways, AnyGatewayShowsListsAndDeletesAnotherGatewaysAttachment) {
 // hung reach the image (the OSDs refuse its requests: it is blocklisted), and every write it
 // acknowledged before is there.
 TEST_F(RbdGateways, ATakeoverFencesAHungGatewaySoItsLateWritesNeverLand) {
-  const std::string id = rpc_ok(socket(0), "volume_create",
-                                {{"name", "quorum"},
-                                 {"size", "8M"},
-                                 {"multiattach", true},
-                                 {"writer_policy", "single"}})["id"];
+  const std::string id = single_writer_volume();
   const Json writer = attach(0, id, "host-a", "rw");
   const Json reader = attach(1, id, "host-b", "ro");
   NbdHandle a = open_nbd(writer);
