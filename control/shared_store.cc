@@ -175,9 +175,9 @@ bool Service::reclaim_shared_writer(Database::Transaction& tx, VolumeRow& v) {
       publish_writer(v);  // held by this run's client now
       return true;
     }
-    // Still held by the client this gateway had before a crash (its watch outlives it by
-    // 30 s): that client, and only it, is cut off. A takeover elsewhere since would have
-    // broken its lock, or recorded another writer.
+    // Still held by the client this gateway had before a crash (a lock taken by hand outlives
+    // its holder): that client, and only it, is cut off. A takeover elsewhere since would
+    // have broken its lock, or recorded another writer.
     const std::string holder =
         d.is_object() && d.value("lock_holder", Json()).is_string() ? d["lock_holder"] : "";
     if (!taken_over && !holder.empty()) {
