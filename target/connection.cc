@@ -12,6 +12,7 @@
 #include <optional>
 #include <utility>
 
+#include "target/rate_limited_log.h"
 #include "target/worker.h"
 
 namespace shareblk::target {
@@ -247,7 +248,8 @@ void Connection::on_recv(int res) {
   // End of file, a reset, a host gone silent (--peer-timeout-ms), or our own drain().
   if (res <= 0) {
     if (res < 0 && reading_ && !broken_) {
-      spdlog::warn("nbd: lost a client of {}: {}", group(), std::strerror(-res));
+      client_log().warn_line(
+          "lost", fmt::format("nbd: lost a client of {}: {}", group(), std::strerror(-res)));
     }
     reading_ = false;
     drop_partial_request();
@@ -345,8 +347,10 @@ bool Connection::begin_request(const nbd::Request& h) {
     // Nothing after a bad header can be trusted: the spec's only answer is to disconnect.
     // Named by its group (the attachment id): an attachment's export name is a credential,
     // and no part of it goes into a log.
-    spdlog::warn("nbd: bad request magic {:#x} from a client of {}, disconnecting", h.magic,
-                 group());
+    client_log().warn_line(
+        "bad request magic",
+        fmt::format("nbd: bad request magic {:#x} from a client of {}, disconnecting", h.magic,
+                    group()));
     abort();
     return false;
   }

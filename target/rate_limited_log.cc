@@ -29,4 +29,19 @@ void RateLimitedLog::warn(const std::string& reason, const std::string& detail) 
   }
 }
 
+void RateLimitedLog::warn_line(const std::string& reason, const std::string& line) {
+  const Outcome o = note(reason, std::chrono::steady_clock::now());
+  if (!o.log) return;
+  if (o.suppressed == 0) {
+    spdlog::warn("{}", line);
+  } else {
+    spdlog::warn("{} (and {} more like it since the last line)", line, o.suppressed);
+  }
+}
+
+RateLimitedLog& client_log() {
+  static RateLimitedLog log;
+  return log;
+}
+
 }  // namespace shareblk::target

@@ -24,6 +24,8 @@ class RateLimitedLog {
   Outcome note(const std::string& reason, std::chrono::steady_clock::time_point now);
   // A warning "refusing a connection (DETAIL): REASON", as note() allows.
   void warn(const std::string& reason, const std::string& detail);
+  // The warning `line`, as note(reason) allows, with how many were left out appended.
+  void warn_line(const std::string& reason, const std::string& line);
 
  private:
   struct Entry {
@@ -34,5 +36,9 @@ class RateLimitedLog {
   std::mutex mutex_;
   std::map<std::string, Entry> entries_;
 };
+
+// What a client of an established connection can make the workers log (cut off, broken
+// framing, lost): one limiter for every worker together.
+RateLimitedLog& client_log();
 
 }  // namespace shareblk::target

@@ -28,22 +28,9 @@ constexpr size_t kKeepRequests = 1024;
 constexpr size_t kPreparedRequests = 256;
 
 // Clients cut off: a line a second per reason, for every worker together.
-RateLimitedLog& cut_off_log() {
-  static RateLimitedLog log;
-  return log;
-}
-
 void log_cut_off(const char* reason, const std::string& group, std::chrono::milliseconds after) {
-  const RateLimitedLog::Outcome o = cut_off_log().note(reason, std::chrono::steady_clock::now());
-  if (!o.log) return;
-  if (o.suppressed == 0) {
-    spdlog::warn("nbd: a client of {} {} for {} ms; cutting it off", group, reason, after.count());
-  } else {
-    spdlog::warn(
-        "nbd: a client of {} {} for {} ms; cutting it off (and {} more like it since the last "
-        "line)",
-        group, reason, after.count(), o.suppressed);
-  }
+  client_log().warn_line(reason, fmt::format("nbd: a client of {} {} for {} ms; cutting it off",
+                                             group, reason, after.count()));
 }
 }  // namespace
 

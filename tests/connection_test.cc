@@ -171,6 +171,36 @@ TEST(ConnectionTest, ABadMagicIsLoggedByGroupNotByExportName) {
   EXPECT_EQ(log.find("volume"), std::string::npos) << log;
 }
 
+// A client that breaks the framing over and over (connecting again each time) cannot flood
+// the log: one line a second for the reason, the next one counting what was left out.
+TEST(ConnectionTest, BadMagicsAreLoggedOnceASecond) {
+  auto sink = std::make_shared<CapturedLog>();
+  auto previous = spdlog::default_logger();
+  spdlog::set_default_logger(std::make_shared<spdlog::logger>("test", sink));
+  WorkerOnAFile w(1 << 20);
+  ASSERT_TRUE(w.started());
+  uint8_t header[nbd::kRequestSize];
+  nbd::encode_request(header, nbd::Request{0xdeadbeef, 0, nbd::kCmdRead, 1, 0, 512});
+  auto break_one = [&](uint64_t closed) {
+    const int client = w.connect(backend::AttachMode::ReadWrite);
+    ASSERT_GE(client, 0);
+    ASSERT_TRUE(send_all(client, header, sizeof header));
+    EXPECT_TRUE(w.registry().wait(closed, 5s)) << "the connection did not close";
+    ::close(client);
+  };
+  for (uint64_t i = 1; i <= 50; ++i) break_one(i);
+  std::this_thread::sleep_for(1100ms);
+  break_one(51);
+  w.worker().stop();
+  spdlog::set_default_logger(previous);
+  const std::string log = sink->text();
+  size_t lines = 0;
+  for (size_t at = 0; (at = log.find("bad request magic", at)) != std::string::npos; ++at) ++lines;
+  EXPECT_GE(lines, 2U) << log;
+  EXPECT_LE(lines, 3U) << log;  // 50 in a second or two, then one after a pause
+  EXPECT_NE(log.find("more like it since the last line"), std::string::npos) << log;
+}
+
 TEST(ConnectionTest, AbortBeforeTheLastPayloadBytesArrive) {
   WorkerOnAFile w(1 << 20);
   ASSERT_TRUE(w.started());
