@@ -222,11 +222,8 @@ int RbdImage::claim_writer() {
   return rc < 0 ? -rc : 0;                         // EINVAL: the image has no exclusive-lock
 }
 
-int RbdImage::owners_elsewhere(std::vector<std::string>& out) {
+int RbdImage::holders(std::vector<std::string>& out) {
   out.clear();
-  int owner = 0;
-  if (int rc = rbd_is_exclusive_lock_owner(image_, &owner); rc < 0) return rc;
-  if (owner != 0) return 0;
   rbd_lock_mode_t mode{};
   std::array<char*, 4> owners{};
   size_t count = owners.size();
@@ -236,6 +233,13 @@ int RbdImage::owners_elsewhere(std::vector<std::string>& out) {
   out.assign(owners.begin(), owners.begin() + static_cast<std::ptrdiff_t>(count));
   rbd_lock_get_owners_cleanup(owners.data(), count);
   return 0;
+}
+
+int RbdImage::owners_elsewhere(std::vector<std::string>& out) {
+  out.clear();
+  int owner = 0;
+  if (int rc = rbd_is_exclusive_lock_owner(image_, &owner); rc < 0) return rc;
+  return owner != 0 ? 0 : holders(out);
 }
 
 // rbd_lock_break with rbd_blocklist_on_break_lock (forced on by the store) follows Ceph's
@@ -261,13 +265,9 @@ int RbdImage::lock_owner(std::string& out) {
   int owner = 0;
   if (int rc = rbd_is_exclusive_lock_owner(image_, &owner); rc < 0) return failed(rc);
   if (owner == 0) return 0;
-  rbd_lock_mode_t mode{};
-  std::array<char*, 4> owners{};
-  size_t count = owners.size();
-  const int rc = rbd_lock_get_owners(image_, &mode, owners.data(), &count);
-  if (rc < 0) return failed(rc);
-  if (count > 0) out = owners[0];
-  rbd_lock_get_owners_cleanup(owners.data(), count);
+  std::vector<std::string> all;
+  if (int rc = holders(all); rc < 0) return failed(rc);
+  if (!all.empty()) out = all.front();
   return 0;
 }
 

@@ -64,6 +64,8 @@ class RbdImage final : public backend::RemoteImage {
   // The clients other than this image's that hold its exclusive lock (none when it holds it
   // or nobody does). Returns 0 or a librbd error (< 0).
   int owners_elsewhere(std::vector<std::string>& out);
+  // Every client that holds the lock, this image's included. Returns 0 or a librbd error.
+  int holders(std::vector<std::string>& out);
   // to_errno(), having let the cluster note a fence.
   int failed(int rc) const;
   std::shared_ptr<Cluster> cluster_;
