@@ -124,12 +124,9 @@ Json Service::attachment_create(const AttachmentSpec& spec) {
   a.export_name = random_hex(16);  // 128 random bits: the name is the capability
   a.attach_status = AttachStatus::Reserved;
   a.created_at = now_iso();
-  // In a shared store the rules count the other gateways' attachments too, and this one
-  // joins their record only if no other gateway changed it since it was read.
-  for (int attempt = 0;; ++attempt) {
-    const SharedAttachments shared = read_shared(v.id);
-    std::vector<AttachmentRow> current = local;
-    for (AttachmentRow& other : elsewhere(shared)) current.push_back(std::move(other));
+  // One live attachment unless multiattach (or the same instance migrating), and what policy
+  // allows: counted over `current`, every live attachment of the volume.
+  const auto refuse_second_user = [&](const std::vector<AttachmentRow>& current) {
     refuse_duplicate(current, a, a.attached_host);
     // The same instance may attach a volume that is not multiattach once more, from another
     // host: a live migration holds both hosts' attachments until the old one is deleted
@@ -137,28 +134,30 @@ Json Service::attachment_create(const AttachmentSpec& spec) {
     const bool same_instance = std::all_of(
         current.begin(), current.end(),
         [&](const AttachmentRow& other) { return other.instance_uuid == a.instance_uuid; });
-    if (!current.empty() && !(same_instance && !v.multiattach)) {
-      if (!v.multiattach) {
-        throw ApiError("not_multiattach", "volume " + v.id + " is attached (" + current.front().id +
-                                              ") and is not multiattach");
-      }
-      if (!policy().allow_multiattach) {
-        throw ApiError("policy_denied", "policy forbids multiattach");
-      }
-      if (v.bootable && !policy().allow_multiattach_bootable) {
-        throw ApiError("policy_denied", "policy forbids attaching a bootable volume twice");
-      }
+    if (current.empty() || (same_instance && !v.multiattach)) return;
+    if (!v.multiattach) {
+      throw ApiError("not_multiattach", "volume " + v.id + " is attached (" + current.front().id +
+                                            ") and is not multiattach");
     }
-    if (!volumes_.shared() || add_shared(v.id, shared, a)) break;
-    if (attempt == 20) {
-      throw ApiError("volume_busy", "volume " + v.id +
-                                        ": the gateways' record of its attachments kept "
-                                        "changing; try again");
+    if (!policy().allow_multiattach) throw ApiError("policy_denied", "policy forbids multiattach");
+    if (v.bootable && !policy().allow_multiattach_bootable) {
+      throw ApiError("policy_denied", "policy forbids attaching a bootable volume twice");
     }
-  }
-  if (volumes_.shared()) {  // any gateway finds it by its id from now on
+  };
+  if (!volumes_.shared()) {
+    refuse_second_user(local);
+  } else {
+    // The other gateways' attachments count too; this one joins their record only if no
+    // other gateway changed it since it was read.
+    change_shared(v.id, [&](SharedAttachments& shared) {
+      std::vector<AttachmentRow> current = local;
+      for (AttachmentRow& other : elsewhere(shared)) current.push_back(std::move(other));
+      refuse_second_user(current);
+      shared.entries[a.id] = shared_entry(a);
+      return true;
+    });
     try {
-      volumes_.link_attachment(a.id, v.id);
+      volumes_.link_attachment(a.id, v.id);  // any gateway finds it by its id from now on
     } catch (...) {
       remove_shared(v.id, a.id);
       throw;
@@ -259,19 +258,12 @@ Json Service::attachment_update(const std::string& id, const Json* connector_par
 void Service::share_host(const std::string& volume_id, const AttachmentRow& a,
                          const std::string& host) {
   if (!volumes_.shared()) return;
-  for (int attempt = 0; attempt <= 20; ++attempt) {
-    SharedAttachments shared = read_shared(volume_id);
+  change_shared(volume_id, [&](SharedAttachments& shared) {
     refuse_duplicate(elsewhere(shared), a, host);
-    if (!shared.entries.contains(a.id)) return;  // pruned: the other gateways do not count it
+    if (!shared.entries.contains(a.id)) return false;  // pruned: the others do not count it
     shared.entries[a.id]["attached_host"] = host;
-    if (volumes_.write_record(volume_id, Json{{"attachments", shared.entries}}.dump(),
-                              shared.version)) {
-      return;
-    }
-  }
-  throw ApiError("volume_busy", "volume " + volume_id +
-                                    ": the gateways' record of its attachments kept changing; "
-                                    "try again");
+    return true;
+  });
 }
 
 Json Service::attachment_qos(const std::string& id, const target::QosSpec& spec) {

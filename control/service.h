@@ -180,10 +180,15 @@ class Service {
   // volume): its volume and Attachment; nullopt when no other gateway has it. Throws ApiError
   // (internal) when the cluster cannot say.
   std::optional<std::pair<std::string, Json>> find_elsewhere(const std::string& attachment_id);
-  // Adds `a` (this gateway's) to the record read as `shared`; false when another gateway
-  // changed it since. Throws ApiError (internal).
-  bool add_shared(const std::string& volume_id, const SharedAttachments& shared,
-                  const AttachmentRow& a);
+  // This gateway's entry for `a` in its volume's record.
+  Json shared_entry(const AttachmentRow& a) const;
+  // Edits a volume's record with a guarded write (compare-and-set on its version): `change`
+  // edits the record as read, or refuses by throwing ApiError, and returns false when there
+  // is nothing to write; when another gateway wrote in between, the record is read and
+  // changed again. Throws ApiError: volume_busy after 20 lost races, internal when the cluster
+  // cannot say.
+  void change_shared(const std::string& volume_id,
+                     const std::function<bool(SharedAttachments&)>& change);
   // A reservation's host, given later by its connector: refused as a duplicate of another
   // gateway's attachment too (duplicate_attachment), then written into its entry with a
   // guarded write. Throws ApiError.

@@ -281,33 +281,39 @@ std::optional<std::pair<std::string, Json>> Service::find_elsewhere(
   return std::pair(*volume_id, elsewhere_json(*volume_id, attachment_id, entry));
 }
 
-bool Service::add_shared(const std::string& volume_id, const SharedAttachments& shared,
-                         const AttachmentRow& a) {
-  Json entries = shared.entries;
-  entries[a.id] = {{"gateway", gateway_id_},
-                   {"instance_uuid", a.instance_uuid},
-                   {"attached_host", a.attached_host},
-                   {"mode", std::string(to_string(a.mode))},
-                   {"created_at", a.created_at}};
-  return volumes_.write_record(volume_id, Json{{"attachments", entries}}.dump(), shared.version);
+Json Service::shared_entry(const AttachmentRow& a) const {
+  return Json{{"gateway", gateway_id_},
+              {"instance_uuid", a.instance_uuid},
+              {"attached_host", a.attached_host},
+              {"mode", std::string(to_string(a.mode))},
+              {"created_at", a.created_at}};
+}
+
+void Service::change_shared(const std::string& volume_id,
+                            const std::function<bool(SharedAttachments&)>& change) {
+  // A lost race means another gateway wrote in between, maybe what makes this change refused:
+  // the change is made again on what it wrote.
+  constexpr int kLostRaces = 20;
+  for (int lost = 0; lost < kLostRaces; ++lost) {
+    SharedAttachments shared = read_shared(volume_id);
+    if (!change(shared)) return;
+    if (volumes_.write_record(volume_id, Json{{"attachments", shared.entries}}.dump(),
+                              shared.version)) {
+      return;
+    }
+  }
+  throw ApiError("volume_busy", "volume " + volume_id +
+                                    ": the gateways' record of its attachments kept changing; "
+                                    "try again");
 }
 
 void Service::remove_shared(const std::string& volume_id, const std::string& attachment_id) {
   if (!volumes_.shared()) return;
   try {
-    for (int attempt = 0; attempt < 20; ++attempt) {
-      SharedAttachments shared = read_shared(volume_id);
-      const bool present = shared.entries.erase(attachment_id) != 0;
-      if (!present || volumes_.write_record(volume_id, Json{{"attachments", shared.entries}}.dump(),
-                                            shared.version)) {
-        volumes_.unlink_attachment(attachment_id);
-        return;
-      }
-    }
-    spdlog::error(
-        "control: volume {}: attachment {} stays in the gateways' record: it kept "
-        "changing under us; the next start takes it out",
-        volume_id, attachment_id);
+    change_shared(volume_id, [&](SharedAttachments& shared) {
+      return shared.entries.erase(attachment_id) != 0;
+    });
+    volumes_.unlink_attachment(attachment_id);
   } catch (const ApiError& e) {
     spdlog::error("control: {}; attachment {} stays in it until the next start", e.what(),
                   attachment_id);
@@ -430,24 +436,15 @@ Json Service::detach_elsewhere(const std::string& volume_id, const std::string& 
   std::string gateway;
   const std::string unknown =
       "no attachment " + attachment_id + " of volume " + volume_id + " on any gateway";
-  for (int attempt = 0;; ++attempt) {
-    SharedAttachments shared = read_shared(volume_id);
+  change_shared(volume_id, [&](SharedAttachments& shared) {
     if (!shared.entries.contains(attachment_id)) throw ApiError("not_found", unknown);
     Json& entry = shared.entries[attachment_id];
     gateway = entry.value("gateway", "");
-    if (entry.value("revoked", false)) break;  // asked before: notify again below
+    if (entry.value("revoked", false)) return false;  // asked before: notify again below
     entry["revoked"] = true;
     entry["revoked_by"] = gateway_id_;
-    if (volumes_.write_record(volume_id, Json{{"attachments", shared.entries}}.dump(),
-                              shared.version)) {
-      break;
-    }
-    if (attempt == 20) {
-      throw ApiError("volume_busy", "volume " + volume_id +
-                                        ": the gateways' record of its attachments kept "
-                                        "changing; try again");
-    }
-  }
+    return true;
+  });
   spdlog::info("control: attachment {} of volume {}: revoked here, served by gateway {}",
                attachment_id, volume_id, gateway);
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
