@@ -193,6 +193,11 @@ std::optional<Reply> handle_one(const Json& request, const std::string& number_i
   }
   try {
     only_keys(params, found->params);
+    // The volumes a call names may be other gateways' (docs/scale-out.md): known before it runs.
+    for (const char* key : {"volume_id", "from_volume"}) {
+      const std::optional<std::string> id = opt_string(params, key);
+      if (id && !id->empty()) service.learn_volume(*id);
+    }
     Json result = found->run(service, params, caller);
     spdlog::info("control: uid={} pid={} {}: ok", caller.uid, caller.pid, printable(method));
     return respond(response(id_text, "result", result));

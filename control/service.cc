@@ -285,7 +285,6 @@ std::string Service::volume_of(const std::string& attachment_id) {
 
 VolumeRow Service::find_volume(Database::Transaction& tx, const std::string& id) {
   auto v = tx.volume(id);
-  if (!v) v = learn_volume(tx, id);
   if (!v) throw ApiError("not_found", "no volume " + id);
   return *v;
 }

@@ -78,6 +78,12 @@ class Service {
   // attachments that were live when the daemon stopped.
   void bind(target::Server* server, Endpoints endpoints);
 
+  // A volume another gateway of a shared store made, named by a call: its definition is read
+  // from the store and its row added before the call runs (the dispatcher calls this), so
+  // that no transaction waits on the cluster. Nothing when the volume is known here or the
+  // store is not shared. Throws ApiError (internal) when the cluster cannot say.
+  void learn_volume(const std::string& id);
+
   Json volume_create(const VolumeSpec& spec);
   Json volume_list();
   Json volume_show(const std::string& id);
@@ -281,10 +287,9 @@ class Service {
   void remount(const AttachmentRow& a, const VolumeRow& v);
   std::string volume_of(const std::string& attachment_id);
   bool known_here(const std::string& attachment_id);  // a row in this gateway's database
-  // A volume this gateway has no row of may be one another gateway made in a shared store:
-  // its definition is then read from the store and the row added in `tx` (learn_volume).
+  // Throws ApiError (not_found). A volume another gateway made is found once learn_volume()
+  // has added it.
   VolumeRow find_volume(Database::Transaction& tx, const std::string& id);
-  std::optional<VolumeRow> learn_volume(Database::Transaction& tx, const std::string& id);
   // Saves the volume's definition with its backing when the store is shared (volumes.cc).
   // Throws ApiError.
   void publish(const VolumeRow& v);

@@ -103,20 +103,27 @@ void Service::republish(const VolumeRow& v) {
   }
 }
 
-std::optional<VolumeRow> Service::learn_volume(Database::Transaction& tx, const std::string& id) {
-  if (!volumes_.shared() || tx.snapshot(id)) return std::nullopt;
+void Service::learn_volume(const std::string& id) {
+  if (!volumes_.shared()) return;
+  {
+    Database::Transaction tx(db_);
+    if (tx.volume(id) || tx.snapshot(id)) return;
+  }
+  // The cluster is read with the database free: a slow or frozen OSD holds this call only.
   const std::optional<std::string> text = volumes_.load_definition(id, DefinitionPart::Volume);
-  if (!text) return std::nullopt;
-  std::optional<VolumeRow> v = volume_of_definition(id, *text);
+  if (!text) return;  // no such volume anywhere: the call says not_found
+  const std::optional<VolumeRow> v = volume_of_definition(id, *text);
   if (!v) {
     spdlog::warn("control: volume {}: its definition in the shared store cannot be read", id);
-    return std::nullopt;
+    return;
   }
+  Database::Transaction tx(db_);
+  if (tx.volume(id)) return;  // a call naming it at the same time added it first
   // Its writer, if any, is another gateway's: none here until this gateway claims it.
   tx.insert_volume(*v);
+  tx.commit();
   spdlog::info("control: volume {} ({}) learnt from the shared store: another gateway made it", id,
                printable(v->name));
-  return v;
 }
 
 namespace {

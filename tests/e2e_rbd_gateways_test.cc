@@ -185,6 +185,38 @@ TEST_F(RbdGateways, AttachmentRulesHoldAcrossGateways) {
   for (auto& g : gateway_) EXPECT_EQ(g->stop(SIGTERM), 0) << g->log();
 }
 
+// The first call on gateway 2 that names a volume gateway 1 made reads its definition from
+// the cluster. With the OSD frozen that call waits (up to --ceph-timeout), but gateway 2's
+// calls that need only its database (the lists) go on meanwhile.
+TEST_F(RbdGateways, LearningAVolumeFromAFrozenClusterHoldsNoOtherCall) {
+  const std::string mine =
+      rpc_ok(socket(1), "volume_create", {{"name", "own"}, {"size", "8M"}})["id"];
+  const std::string theirs = single_writer_volume();
+  Json shown;
+  std::chrono::steady_clock::duration listed_after{};
+  {
+    const CephCluster::Frozen osd = ceph_->freeze_osd();
+    std::thread learning([&] { shown = rpc(socket(1), "volume_show", {{"volume_id", theirs}}); });
+    std::this_thread::sleep_for(std::chrono::milliseconds(500));
+    const auto begin = std::chrono::steady_clock::now();
+    const Json volumes = rpc_ok(socket(1), "volume_list", Json::object());
+    rpc_ok(socket(1), "attachment_list", Json::object());
+    listed_after = std::chrono::steady_clock::now() - begin;
+    EXPECT_EQ(volumes.size(), 1U) << volumes.dump();
+    learning.join();
+  }
+  EXPECT_LT(listed_after, std::chrono::seconds(2));
+  EXPECT_TRUE(shown.contains("error")) << shown.dump();
+  // Back: the volume is learnt.
+  for (int i = 0; i < 30 && !shown.contains("result"); ++i) {
+    std::this_thread::sleep_for(std::chrono::seconds(1));
+    shown = rpc(socket(1), "volume_show", {{"volume_id", theirs}});
+  }
+  ASSERT_TRUE(shown.contains("result")) << shown.dump();
+  EXPECT_EQ(shown["result"]["name"], "quorum");
+  EXPECT_EQ(rpc_ok(socket(1), "volume_list", Json::object()).size(), 2U);
+}
+
 // A reservation (no host yet) on one gateway whose connector later names the host of the same
 // instance's attachment on the other gateway is a duplicate, as it is on one gateway.
 TEST_F(RbdGateways, AReservationsHostGivenLaterCountsAcrossGateways) {
