@@ -1,0 +1,44 @@
+// The socket side of the server (sockets.cc), for server.cc: listeners, the options of
+// accepted sockets, and who is at the other end. Public ones (listen_unix, accept_or_stop,
+// describe) are in target.h.
+#pragma once
+
+#include <chrono>
+#include <string>
+#include <system_error>
+
+#include "target/target.h"
+
+namespace shareblk::target {
+
+// Room for several maximum-size replies in the socket: with the default (about 208 KiB on
+// Unix sockets) a 1 MiB read reply needs several round trips through the send queue.
+void enlarge_send_buffer(int fd);
+
+// A TCP client whose host dies sends no FIN or RST: without these its connection would stay
+// established for ever when idle (keepalive off), or for ~15 min of retransmissions when a
+// reply is unacknowledged (tcp_retries2). Both are bounded by `timeout` (tcp(7):
+// TCP_USER_TIMEOUT also decides when failed keepalive probes end the connection). A live
+// peer answers the probes, and zero-window probes, however long it does not read.
+void drop_silent_peers_after(int fd, std::chrono::milliseconds timeout);
+
+// "HOST:PORT" ("[HOST]:PORT" for IPv6) of a bound TCP socket.
+std::string tcp_endpoint_of(int fd);
+
+// A passed-in socket (socket activation) as a listener: whether it is TCP, and its endpoint or
+// path. EINVAL for anything but a listening stream socket of AF_UNIX, AF_INET or AF_INET6.
+std::error_code inspect_listener(int fd, bool& tcp, std::string& where);
+
+// Listens on "HOST:PORT" ("[V6]:PORT"; port 0 picks one): the socket in `out`, the endpoint
+// it is bound to in `bound`.
+std::error_code listen_tcp(const std::string& endpoint, int& out, std::string& bound);
+
+// The client of an accepted socket: its address and port over TCP, its pid and uid (from
+// SO_PEERCRED) over a Unix socket; fields left empty when the kernel cannot say.
+Peer peer_of(int fd, bool tcp);
+
+// What the per-peer handshake limit counts by: the client's address over TCP, its uid over a
+// Unix socket ("" when unknown: all such clients count as one).
+std::string peer_key(int fd, bool tcp);
+
+}  // namespace shareblk::target
