@@ -194,20 +194,20 @@ TEST_F(RbdGateways, LearningAVolumeFromAFrozenClusterHoldsNoOtherCall) {
   const std::string theirs = single_writer_volume();
   Json shown;
   std::chrono::steady_clock::duration listed_after{};
+  std::thread learning;
   {
     const CephCluster::Frozen osd = ceph_->freeze_osd();
-    std::thread learning([&] { shown = rpc(socket(1), "volume_show", {{"volume_id", theirs}}); });
+    learning = std::thread([&] { shown = rpc(socket(1), "volume_show", {{"volume_id", theirs}}); });
     std::this_thread::sleep_for(std::chrono::milliseconds(500));
     const auto begin = std::chrono::steady_clock::now();
     const Json volumes = rpc_ok(socket(1), "volume_list", Json::object());
     rpc_ok(socket(1), "attachment_list", Json::object());
     listed_after = std::chrono::steady_clock::now() - begin;
     EXPECT_EQ(volumes.size(), 1U) << volumes.dump();
-    learning.join();
-  }
+  }  // the OSD goes on: the learning call ends (or has timed out)
+  learning.join();
   EXPECT_LT(listed_after, std::chrono::seconds(2));
-  EXPECT_TRUE(shown.contains("error")) << shown.dump();
-  // Back: the volume is learnt.
+  // The volume is learnt, by that call or by the next.
   for (int i = 0; i < 30 && !shown.contains("result"); ++i) {
     std::this_thread::sleep_for(std::chrono::seconds(1));
     shown = rpc(socket(1), "volume_show", {{"volume_id", theirs}});
