@@ -411,7 +411,8 @@ void Connection::dispatch(Request* r) {
 }
 
 void Connection::hold_paused(Request* r) {
-  r->paused = true;
+  r->qos_charged = true;
+  r->qos_turn = {};
   r->next = qos_head_;
   qos_head_ = r;
   if (qos_tail_ == nullptr) qos_tail_ = r;
@@ -448,23 +449,26 @@ void Connection::qos_start_ready() {
   const auto now = std::chrono::steady_clock::now();
   while (qos_head_ != nullptr) {
     Request* r = qos_head_;
-    std::chrono::nanoseconds wait{0};
-    if (!r->paused && qos_.engaged()) {
+    if (!r->qos_charged && qos_.engaged()) {
+      // Only the head takes its turn: a connection holds one at a time, so connections
+      // sharing a volume's limit alternate.
       const QosCost cost = qos_cost(r->type, r->length);
-      wait = qos_.admit(cost.dir, cost.bytes, now);
+      r->qos_generation = qos_.generation();
+      r->qos_turn = now + qos_.admit(cost.dir, cost.bytes, now);
+      r->qos_charged = true;
     }
-    if (wait.count() > 0) {
+    if (r->qos_charged && r->qos_turn > now && qos_.engaged() &&
+        r->qos_generation == qos_.generation()) {
       // Looked at again within 100 ms at most, so that a raised or removed limit takes
-      // effect then even if the wait it set was long.
-      const auto when =
-          now + std::min<std::chrono::nanoseconds>(wait, std::chrono::milliseconds(100));
+      // effect then even if its turn is far.
+      const auto when = std::min(r->qos_turn, now + std::chrono::milliseconds(100));
       if (qos_timer_) worker_.cancel_qos_wait(*qos_timer_);
       qos_timer_ = worker_.qos_wait(this, when);
       return;
     }
     qos_head_ = r->next;
     if (qos_head_ == nullptr) qos_tail_ = nullptr;
-    r->paused = false;
+    r->qos_charged = false;
     run(r);
     if (qos_head_ == r) return;  // held by a pause again; its timer is set
     if (broken_) {               // its reply failed to go: the rest are dropped

@@ -63,7 +63,7 @@ struct QosLimiter::Impl {
     f(read ? QosSpec::ReadBytes : QosSpec::WriteBytes, b);
   }
 
-  // How long until every bucket the request draws on is out of debt.
+  // How long until every bucket the request draws on is out of the debt run up before it.
   std::chrono::nanoseconds wait(Dir dir, uint64_t bytes) const {
     double seconds = 0;
     for_each_cost(dir, bytes, [&](QosSpec::Key k, double) {
@@ -127,8 +127,12 @@ void QosLimiter::set(const QosSpec& spec) {
     }
     in.spec = spec;
     in.limits.store(spec.limits(), std::memory_order_relaxed);
-    // A volume's limiter: its attachments' engaged() follow it.
-    for (QosLimiter* child : in.children) child->update_engaged();
+    generation_.fetch_add(1, std::memory_order_relaxed);
+    // A volume's limiter: its attachments' engaged() and generation() follow it.
+    for (QosLimiter* child : in.children) {
+      child->update_engaged();
+      child->generation_.fetch_add(1, std::memory_order_relaxed);
+    }
   }
   if (in.parent) {
     std::lock_guard lock(in.parent->impl_->mutex);
@@ -165,10 +169,11 @@ std::chrono::nanoseconds QosLimiter::admit(Dir dir, uint64_t bytes,
     parent->refill(now);
     wait = std::max(wait, parent->wait(dir, bytes));
   }
-  if (wait.count() > 0) return wait;
+  // Taken now, whatever the wait: the next request to ask, from any connection, waits
+  // behind this one (first come, first served).
   own.charge(dir, bytes);
   if (parent != nullptr) parent->charge(dir, bytes);
-  return std::chrono::nanoseconds(0);
+  return wait;
 }
 
 }  // namespace shareblk::target

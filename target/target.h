@@ -112,9 +112,11 @@ struct QosSpec {
 // an attachment's connections, or every attachment of a volume (the attachment's limiter's
 // parent). Reads and writes count one operation and their length in bytes; trims and
 // write-zeroes one write operation and no bytes (they carry no payload); flush, block status
-// and cache nothing. A request may start once every bucket it draws on holds more than
-// nothing, and then takes what it costs, going into debt: the rate holds over time, and a
-// large request waits for the refill like a small one instead of for a full bucket.
+// and cache nothing. A request takes what it costs when it asks, going into debt, and starts
+// once the debt that requests before it ran up is paid: the rate holds over time, a large
+// request waits for the refill like a small one instead of for a full bucket, and requests
+// take turns in the order they ask, from whichever connection or worker, so that no
+// connection sharing a bucket can starve another.
 class QosLimiter {
  public:
   // An attachment's limiter, under its volume's `parent` (nullptr: none).
@@ -137,10 +139,13 @@ class QosLimiter {
   bool engaged() const { return engaged_.load(std::memory_order_relaxed); }
 
   enum class Dir : uint8_t { Read, Write, None };
-  // Zero when a request of `dir` moving `bytes` may start now, and then its cost is taken
-  // from this limiter and its parent; else how long until it may (nothing taken).
+  // Takes the cost of a request of `dir` moving `bytes` from this limiter and its parent,
+  // and returns how long after `now` its turn comes (zero: it may start now).
   std::chrono::nanoseconds admit(Dir dir, uint64_t bytes,
                                  std::chrono::steady_clock::time_point now);
+  // Changes with every set() of this limiter or its parent: a request whose turn was given
+  // under other limits need not wait for it (a raised or removed limit reaches it at once).
+  uint64_t generation() const { return generation_.load(std::memory_order_relaxed); }
 
   struct Impl;
 
@@ -149,6 +154,7 @@ class QosLimiter {
   void update_engaged();  // under the parent's lock when there is one
   std::unique_ptr<Impl> impl_;
   std::atomic<bool> engaged_{false};
+  std::atomic<uint64_t> generation_{0};
 };
 
 // What an export name resolves to.

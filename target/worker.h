@@ -128,9 +128,12 @@ struct Request final : backend::IoRequest {
   uint32_t payload_size = 0;  // bytes of `buf` (pool size), 0 when none
   // The connection's QoS queue while the request waits there, then its reply queue.
   Request* next = nullptr;
-  // It met a paused write access (a snapshot) after QoS let it through: it waits at the head
-  // of the QoS queue, and is not charged again.
-  bool paused = false;
+  // QoS took its cost (it is not charged again): it starts at `qos_turn`, or at once if the
+  // limits changed since (`qos_generation`). Also set for a request that met a paused write
+  // access (a snapshot) and waits at the head of the QoS queue with its turn past.
+  bool qos_charged = false;
+  uint64_t qos_generation = 0;
+  std::chrono::steady_clock::time_point qos_turn;
 
   // The encoded reply: headers in `reply`, data straight from `buf`.
   uint8_t reply[kReplyBytes];

@@ -181,9 +181,12 @@ TEST_F(QosTest, AVolumeLimitIsSharedByItsAttachments) {
   other.join();
   expect_within(first.per_second + second.per_second, 3000);
   EXPECT_EQ(first.failed + second.failed, 0u);
-  // Both get through, neither is starved.
-  EXPECT_GT(first.per_second, 500);
-  EXPECT_GT(second.per_second, 500);
+  // Turns are taken first come, first served: two clients that both ask for more than the
+  // limit share it about evenly, whatever their requests or workers (a write and a read here).
+  // Before turns, whichever worker woke first took the tokens, and one client was left with
+  // 184 of the 3,000 (a CI run).
+  EXPECT_GT(first.per_second, 3000 / 3.0) << "the other got " << second.per_second;
+  EXPECT_GT(second.per_second, 3000 / 3.0) << "the other got " << first.per_second;
 }
 
 TEST_F(QosTest, AChangeReachesLiveConnectionsAndAnEmptyObjectClears) {

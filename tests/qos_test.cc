@@ -2,6 +2,7 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <utility>
 
 #include "target/target.h"
 
@@ -20,22 +21,19 @@ QosSpec spec_of(QosSpec::Key key, uint64_t rate, uint64_t burst = 0) {
   return s;
 }
 
-// A client that always has a request ready: how many go in `seconds` of simulated time, the
-// waits answered as a timer would.
+// A client that always has a request ready: how many start in `seconds` of simulated time,
+// each at its turn, as the connection's timer would start it. The last one asked has its turn
+// at or after the end, and is charged.
 uint64_t run_greedy(QosLimiter& q, Dir dir, uint64_t bytes, Clock::time_point& now,
                     double seconds) {
   const Clock::time_point end =
       now + std::chrono::duration_cast<nanoseconds>(std::chrono::duration<double>(seconds));
   uint64_t went = 0;
-  while (now < end) {
-    const nanoseconds wait = q.admit(dir, bytes, now);
-    if (wait.count() == 0) {
-      ++went;
-    } else {
-      now += wait;
-    }
+  for (;;) {
+    now += q.admit(dir, bytes, now);
+    if (now >= end) return went;
+    ++went;
   }
-  return went;
 }
 
 TEST(QosLimiter, NoSpecIsNotEngagedAndNeverWaits) {
@@ -79,16 +77,55 @@ TEST(QosLimiter, TheVolumeLimitIsSharedByItsAttachments) {
   auto b = QosLimiter::make({}, volume);
   EXPECT_TRUE(a->engaged());
   EXPECT_TRUE(b->engaged());
+  // Two clients that each hold one turn at a time, as connections do; the earlier turn goes
+  // first (of two at the same time, the one asked first), and its client asks again at once.
   Clock::time_point now = Clock::now();
-  uint64_t went = 0;
   const Clock::time_point end = now + std::chrono::seconds(5);
-  while (now < end) {
-    const nanoseconds wa = a->admit(Dir::Read, 4096, now);
-    const nanoseconds wb = b->admit(Dir::Write, 4096, now);
-    went += (wa.count() == 0) + (wb.count() == 0);
-    if (wa.count() > 0 && wb.count() > 0) now += std::min(wa, wb);
+  uint64_t asked = 0;
+  std::pair turn_a{now + a->admit(Dir::Read, 4096, now), asked++};
+  std::pair turn_b{now + b->admit(Dir::Write, 4096, now), asked++};
+  uint64_t went_a = 0;
+  uint64_t went_b = 0;
+  for (;;) {
+    const bool first = turn_a < turn_b;
+    now = first ? turn_a.first : turn_b.first;
+    if (now >= end) break;
+    if (first) {
+      ++went_a;
+      turn_a = {now + a->admit(Dir::Read, 4096, now), asked++};
+    } else {
+      ++went_b;
+      turn_b = {now + b->admit(Dir::Write, 4096, now), asked++};
+    }
   }
-  EXPECT_NEAR(static_cast<double>(went), 1000 * 5 + 100, 3);
+  EXPECT_NEAR(static_cast<double>(went_a + went_b), 1000 * 5 + 100, 3);
+  // First come, first served: they alternate, and neither is starved.
+  EXPECT_NEAR(static_cast<double>(went_a), static_cast<double>(went_b), 1);
+}
+
+TEST(QosLimiter, TurnsGoInTheOrderTheyAreAsked) {
+  auto volume = QosLimiter::make(spec_of(QosSpec::TotalIops, 1000, 1));
+  auto a = QosLimiter::make({}, volume);
+  auto b = QosLimiter::make({}, volume);
+  const Clock::time_point now = Clock::now();
+  // A full bucket of one: two may start now (the second takes it into debt).
+  EXPECT_EQ(a->admit(Dir::Read, 0, now).count(), 0);
+  EXPECT_EQ(b->admit(Dir::Read, 0, now).count(), 0);
+  // Then, asked at the same moment: turns a millisecond apart, in order, each charged.
+  EXPECT_EQ(a->admit(Dir::Read, 0, now), milliseconds(1));
+  EXPECT_EQ(b->admit(Dir::Read, 0, now), milliseconds(2));
+  EXPECT_EQ(a->admit(Dir::Read, 0, now), milliseconds(3));
+}
+
+TEST(QosLimiter, EveryChangeOfItsOwnOrItsVolumesLimitsIsSeen) {
+  auto volume = QosLimiter::make({});
+  auto a = QosLimiter::make({}, volume);
+  const uint64_t before = a->generation();
+  a->set(spec_of(QosSpec::ReadIops, 10));
+  EXPECT_NE(a->generation(), before);
+  const uint64_t own = a->generation();
+  volume->set(spec_of(QosSpec::ReadIops, 10));
+  EXPECT_NE(a->generation(), own);
 }
 
 TEST(QosLimiter, ChangesReachTheAttachmentsEngagedFlag) {
