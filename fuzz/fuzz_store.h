@@ -43,7 +43,12 @@ class FuzzStore final : public lvm::VolumeStore {
   }
   lvm::StoreError remove(const std::string& id, const lvm::Progress& /*progress*/) override {
     std::lock_guard lock(mutex_);
-    if (auto e = take(Call::Remove)) return e;
+    if (auto e = take(Call::Remove)) {
+      // A real store says ENOENT only when the backing is not there, and the control plane
+      // takes it for gone: an injected one is a backing that something else removed first.
+      if (e.code.value() == ENOENT) sizes_.erase(id);
+      return e;
+    }
     if (sizes_.erase(id) == 0) return error(ENOENT, "no such volume");
     return {};
   }
