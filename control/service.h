@@ -257,6 +257,11 @@ class Service {
   // database is written.
   Populate copy_job(const std::string& from, uint64_t length, const std::string& to, uint64_t size,
                     std::shared_ptr<void> held);
+  // Undoes a volume_create that failed: removes what backing it made and its intent. False
+  // (logged) when the store cannot remove it: the intent stays.
+  bool roll_back_create(const std::string& id);
+  // Tries again the roll-backs that failed (roll_backs_); the next start would, too.
+  void retry_roll_backs();
   // Refuses (volume_busy) a change to a volume that a delete or a fill is under way on.
   void refuse_busy(Database::Transaction& tx, const VolumeRow& v, const char* what);
   // service.cc
@@ -330,6 +335,10 @@ class Service {
   const std::chrono::system_clock::time_point started_ = std::chrono::system_clock::now();
   std::atomic<uint64_t> refused_unknown_{0};
   std::atomic<uint64_t> refused_by_binding_{0};
+  // volumes.cc: creates whose roll-back failed; each volume_create tries them again first, so
+  // that half-made backing and intents do not pile up until the next start.
+  std::mutex roll_backs_mutex_;
+  std::set<std::string> roll_backs_;
   // snapshots.cc: volumes whose writes are held, with the write accesses held; and the volumes
   // and snapshots that copies read.
   std::mutex copies_mutex_;

@@ -28,7 +28,40 @@ lvm::ImageInfo inspect(const std::string& path) {
 // start rolls back (docs/state.md, "Creates and deletes"). A volume that starts as a copy (of an
 // image, a snapshot or a volume) gets its row at once and keeps its intent until the copy is
 // done (status "creating").
+bool Service::roll_back_create(const std::string& id) {
+  try {
+    volumes_.remove(id);
+    Database::Transaction tx(db_);
+    tx.delete_intent(id);
+    tx.commit();
+    return true;
+  } catch (const std::exception& e) {
+    spdlog::error(
+        "control: volume {} could not be rolled back ({}); the next volume_create or start "
+        "tries again",
+        id, e.what());
+    return false;
+  }
+}
+
+void Service::retry_roll_backs() {
+  std::set<std::string> ids;
+  {
+    const std::lock_guard lock(roll_backs_mutex_);
+    ids.swap(roll_backs_);
+  }
+  for (const std::string& id : ids) {
+    if (roll_back_create(id)) {
+      spdlog::info("control: the failed volume_create of volume {} is rolled back now", id);
+      continue;
+    }
+    const std::lock_guard lock(roll_backs_mutex_);
+    roll_backs_.insert(id);
+  }
+}
+
 Json Service::volume_create(const VolumeSpec& spec) {
+  retry_roll_backs();
   if (spec.multiattach && !policy().allow_multiattach) {
     throw ApiError("policy_denied", "policy forbids multiattach volumes");
   }
@@ -97,14 +130,9 @@ Json Service::volume_create(const VolumeSpec& spec) {
   crash_point("volume_create:intent");
   // Never leave backing that no volume owns: a store that failed half way may have made some.
   auto roll_back = [&] {
-    try {
-      volumes_.remove(v.id);
-      Database::Transaction tx(db_);
-      tx.delete_intent(v.id);
-      tx.commit();
-    } catch (const std::exception& e) {
-      spdlog::error("control: volume {} could not be rolled back ({}); the next start does it",
-                    v.id, e.what());
+    if (!roll_back_create(v.id)) {
+      const std::lock_guard lock(roll_backs_mutex_);
+      roll_backs_.insert(v.id);
     }
   };
   try {
