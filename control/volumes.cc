@@ -23,11 +23,6 @@ lvm::ImageInfo inspect(const std::string& path) {
 
 }  // namespace
 
-// An intent is recorded before the store is touched and removed in the transaction that adds
-// the row, so that a crash at any point leaves either a whole volume or an intent that the next
-// start rolls back (docs/state.md, "Creates and deletes"). A volume that starts as a copy (of an
-// image, a snapshot or a volume) gets its row at once and keeps its intent until the copy is
-// done (status "creating").
 bool Service::roll_back_create(const std::string& id) {
   try {
     volumes_.remove(id);
@@ -60,6 +55,11 @@ void Service::retry_roll_backs() {
   }
 }
 
+// An intent is recorded before the store is touched and removed in the transaction that adds
+// the row, so that a crash at any point leaves either a whole volume or an intent that the next
+// start rolls back (docs/state.md, "Creates and deletes"). A volume that starts as a copy (of an
+// image, a snapshot or a volume) gets its row at once and keeps its intent until the copy is
+// done (status "creating").
 Json Service::volume_create(const VolumeSpec& spec) {
   retry_roll_backs();
   if (spec.multiattach && !policy().allow_multiattach) {
