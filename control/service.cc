@@ -211,29 +211,24 @@ void Service::finish_intents() {
       }
       continue;
     }
-    try {
-      volumes_.remove(i.volume_id);
-      Database::Transaction tx(db_);
-      tx.delete_volume(i.volume_id);    // a fill's row, if any
-      tx.delete_snapshot(i.volume_id);  // or a snapshot's
-      tx.delete_intent(i.volume_id);
-      tx.commit();
+    std::optional<std::string> failed = roll_back_create(i.volume_id);
+    if (!failed) {
       spdlog::info(
           "control: the volume_create of volume {} was interrupted; rolled back (its backing "
           "is removed)",
           i.volume_id);
-    } catch (const std::exception& e) {
-      spdlog::error(
-          "control: the volume_create of volume {} was interrupted and cannot be rolled back "
-          "now ({}); the next start tries again",
-          i.volume_id, e.what());
-      try {
-        Database::Transaction tx(db_);
-        i.error = e.what();
-        tx.put_intent(i);
-        tx.commit();
-      } catch (const std::exception&) {  // the log has it
-      }
+      continue;
+    }
+    spdlog::error(
+        "control: the volume_create of volume {} was interrupted and cannot be rolled back "
+        "now ({}); the next start tries again",
+        i.volume_id, *failed);
+    try {
+      Database::Transaction tx(db_);
+      i.error = std::move(*failed);
+      tx.put_intent(i);
+      tx.commit();
+    } catch (const std::exception&) {  // the log has it
     }
   }
 }

@@ -257,9 +257,10 @@ class Service {
   // database is written.
   Populate copy_job(const std::string& from, uint64_t length, const std::string& to, uint64_t size,
                     std::shared_ptr<void> held);
-  // Undoes a volume_create that failed: removes what backing it made and its intent. False
-  // (logged) when the store cannot remove it: the intent stays.
-  bool roll_back_create(const std::string& id);
+  // Undoes a create (a failed volume_create, or one a crash interrupted): removes whatever
+  // backing it made, its row if it has one (a fill's or a snapshot's) and its intent. What
+  // went wrong when the store or the database cannot: then the intent stays.
+  std::optional<std::string> roll_back_create(const std::string& id);
   // Tries again the roll-backs that failed (roll_backs_); the next start would, too.
   void retry_roll_backs();
   // Refuses (volume_busy) a change to a volume that a delete or a fill is under way on.

@@ -23,22 +23,21 @@ lvm::ImageInfo inspect(const std::string& path) {
 
 }  // namespace
 
-bool Service::roll_back_create(const std::string& id) {
+std::optional<std::string> Service::roll_back_create(const std::string& id) {
   try {
     volumes_.remove(id);
     Database::Transaction tx(db_);
+    tx.delete_volume(id);    // a fill's row, if any
+    tx.delete_snapshot(id);  // or a snapshot's
     tx.delete_intent(id);
     tx.commit();
-    return true;
+    return std::nullopt;
   } catch (const std::exception& e) {
-    spdlog::error(
-        "control: volume {} could not be rolled back ({}); the next volume_create or start "
-        "tries again",
-        id, e.what());
-    return false;
+    return e.what();
   }
 }
 
+// A roll-back that fails again stays for the next volume_create (or start).
 void Service::retry_roll_backs() {
   std::set<std::string> ids;
   {
@@ -46,12 +45,13 @@ void Service::retry_roll_backs() {
     ids.swap(roll_backs_);
   }
   for (const std::string& id : ids) {
-    if (roll_back_create(id)) {
+    if (const std::optional<std::string> failed = roll_back_create(id)) {
+      spdlog::error("control: volume {} could not be rolled back again ({})", id, *failed);
+      const std::lock_guard lock(roll_backs_mutex_);
+      roll_backs_.insert(id);
+    } else {
       spdlog::info("control: the failed volume_create of volume {} is rolled back now", id);
-      continue;
     }
-    const std::lock_guard lock(roll_backs_mutex_);
-    roll_backs_.insert(id);
   }
 }
 
@@ -130,7 +130,11 @@ Json Service::volume_create(const VolumeSpec& spec) {
   crash_point("volume_create:intent");
   // Never leave backing that no volume owns: a store that failed half way may have made some.
   auto roll_back = [&] {
-    if (!roll_back_create(v.id)) {
+    if (const std::optional<std::string> failed = roll_back_create(v.id)) {
+      spdlog::error(
+          "control: volume {} could not be rolled back ({}); the next volume_create or start "
+          "tries again",
+          v.id, *failed);
       const std::lock_guard lock(roll_backs_mutex_);
       roll_backs_.insert(v.id);
     }
