@@ -188,15 +188,24 @@ TEST_F(SnapshotTest, ASnapshotTakenUnderWritesIsAPointInTime) {
   while (written < 200 && failures == 0) std::this_thread::sleep_for(std::chrono::milliseconds(1));
   const std::string snap = snapshot(vol)["id"];
   const uint64_t at_snapshot = written;
-  // The last count seen while the snapshot was still being copied (64 pauses of 10 ms).
-  uint64_t during_copy = written;
+  // The last count seen while the snapshot was still being copied (64 pauses of 10 ms). Writes
+  // go on as soon as the last byte is copied, while the status still says "creating" until the
+  // job is recorded as done; so a count is kept only when a later show says the copy had not
+  // reached its end (progress < 100), which proves the writes were still held when it was read.
+  uint64_t during_copy = at_snapshot;
+  int seen_during_copy = 0;
   Json done = rpc_ok(control(), "snapshot_show", {{"snapshot_id", snap}});
   for (int i = 0; i < 3000 && done["status"] == "creating"; ++i) {
-    during_copy = written;
+    const uint64_t seen = written;
     std::this_thread::sleep_for(std::chrono::milliseconds(5));
     done = rpc_ok(control(), "snapshot_show", {{"snapshot_id", snap}});
+    if (done["status"] == "creating" && done["progress"].get<int>() < 100) {
+      during_copy = seen;
+      ++seen_during_copy;
+    }
   }
   EXPECT_EQ(done["status"], "available") << done;
+  ASSERT_GT(seen_during_copy, 0) << "the copy must be slow enough to be watched";
   // Held while the copy ran: at most the write in flight when the snapshot began went on.
   EXPECT_LE(during_copy, at_snapshot + 1);
   std::this_thread::sleep_for(std::chrono::milliseconds(100));
