@@ -208,7 +208,9 @@ TEST_F(SnapshotTest, ASnapshotTakenUnderWritesIsAPointInTime) {
   ASSERT_GT(seen_during_copy, 0) << "the copy must be slow enough to be watched";
   // Held while the copy ran: at most the write in flight when the snapshot began went on.
   EXPECT_LE(during_copy, at_snapshot + 1);
-  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  for (int i = 0; i < 1000 && written <= during_copy && failures == 0; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
   EXPECT_GT(written.load(), during_copy) << "the writer must go on after the snapshot";
   stop = true;
   writer.join();
@@ -241,7 +243,9 @@ TEST_F(SnapshotTest, ASnapshotTakenUnderWritesIsAPointInTime) {
 }
 
 TEST_F(SnapshotTest, ASnapshotBeingCopiedCannotBeUsedOrDeletedAndACrashRollsItBack) {
-  ::setenv("SHAREBLK_TEST_JOB_PAUSE_MS", "200", 1);
+  // Long enough for the calls below to find the copy still running on a slow machine: the
+  // daemon is killed half way, so the pause costs the test nothing.
+  ::setenv("SHAREBLK_TEST_JOB_PAUSE_MS", "5000", 1);
   start();
   ::unsetenv("SHAREBLK_TEST_JOB_PAUSE_MS");
   const std::string vol = create_volume("8M");
