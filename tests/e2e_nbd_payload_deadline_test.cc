@@ -29,9 +29,11 @@ TEST_F(PayloadDeadlineTest, AWriteWhosePayloadStopsIsCutOffWhileOthersAreServed)
   ASSERT_TRUE(other);
   RawClient c(deadline_socket());
   ASSERT_TRUE(handshake(c, "disk"));
+  // Taken before sending: the server cannot start counting earlier, so the lower bound below
+  // holds however late this thread runs.
+  const auto sent = std::chrono::steady_clock::now();
   ASSERT_TRUE(send_request(c, nbd::kCmdWrite, 1, 0, static_cast<uint32_t>(kMiB)));
   ASSERT_TRUE(c.send_all(std::string(10, 'x')));  // of 1 MiB, and then nothing
-  const auto sent = std::chrono::steady_clock::now();
 
   bool closed = false;
   int served = 0;
