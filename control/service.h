@@ -261,6 +261,9 @@ class Service {
   // backing it made, its row if it has one (a fill's or a snapshot's) and its intent. What
   // went wrong when the store or the database cannot: then the intent stays.
   std::optional<std::string> roll_back_create(const std::string& id);
+  // roll_back_create, and when it fails, logs why and keeps the id in roll_backs_. True when
+  // rolled back.
+  bool roll_back_or_keep(const std::string& id);
   // Tries again the roll-backs that failed (roll_backs_); the next start would, too.
   void retry_roll_backs();
   // Refuses (volume_busy) a change to a volume that a delete or a fill is under way on.

@@ -37,7 +37,18 @@ std::optional<std::string> Service::roll_back_create(const std::string& id) {
   }
 }
 
-// A roll-back that fails again stays for the next volume_create (or start).
+bool Service::roll_back_or_keep(const std::string& id) {
+  const std::optional<std::string> failed = roll_back_create(id);
+  if (!failed) return true;
+  spdlog::error(
+      "control: volume {} could not be rolled back ({}); the next volume_create or start tries "
+      "again",
+      id, *failed);
+  const std::lock_guard lock(roll_backs_mutex_);
+  roll_backs_.insert(id);
+  return false;
+}
+
 void Service::retry_roll_backs() {
   std::set<std::string> ids;
   {
@@ -45,11 +56,7 @@ void Service::retry_roll_backs() {
     ids.swap(roll_backs_);
   }
   for (const std::string& id : ids) {
-    if (const std::optional<std::string> failed = roll_back_create(id)) {
-      spdlog::error("control: volume {} could not be rolled back again ({})", id, *failed);
-      const std::lock_guard lock(roll_backs_mutex_);
-      roll_backs_.insert(id);
-    } else {
+    if (roll_back_or_keep(id)) {
       spdlog::info("control: the failed volume_create of volume {} is rolled back now", id);
     }
   }
@@ -129,22 +136,12 @@ Json Service::volume_create(const VolumeSpec& spec) {
   }
   crash_point("volume_create:intent");
   // Never leave backing that no volume owns: a store that failed half way may have made some.
-  auto roll_back = [&] {
-    if (const std::optional<std::string> failed = roll_back_create(v.id)) {
-      spdlog::error(
-          "control: volume {} could not be rolled back ({}); the next volume_create or start "
-          "tries again",
-          v.id, *failed);
-      const std::lock_guard lock(roll_backs_mutex_);
-      roll_backs_.insert(v.id);
-    }
-  };
   try {
     // A copy makes its backing itself (a reflink makes it whole at once).
     if (!copies || !spec.from_image.empty()) volumes_.create(v.id, v.size);
     if (!copies) publish(v);  // a copy's is saved once its bytes are in (populate)
   } catch (...) {
-    roll_back();
+    roll_back_or_keep(v.id);
     throw;
   }
   crash_point("volume_create:stored");
@@ -158,7 +155,7 @@ Json Service::volume_create(const VolumeSpec& spec) {
                  copies ? ", copying from " + what : "");
     if (!copies) return out;
   } catch (...) {
-    roll_back();
+    roll_back_or_keep(v.id);
     throw;
   }
   start_populate(v.id, v.created_at, what, std::move(work));
