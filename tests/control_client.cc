@@ -2,7 +2,9 @@
 
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <stdexcept>
+#include <thread>
 
 #include "rpc/client.h"
 
@@ -47,6 +49,17 @@ std::string rpc_reason(const std::string& socket, const std::string& method,
                        const nlohmann::json& params) {
   const shareblk::rpc::Outcome outcome = call(socket, method, params);
   return outcome.ok() ? "" : outcome.error->reason;
+}
+
+bool wait_connections(const std::string& socket, const std::string& attachment_id, size_t want) {
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (std::chrono::steady_clock::now() < deadline) {
+    const nlohmann::json shown =
+        rpc_ok(socket, "attachment_show", {{"attachment_id", attachment_id}});
+    if (shown.value("connections", size_t{9999}) == want) return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  return false;
 }
 
 }  // namespace shareblk::testing

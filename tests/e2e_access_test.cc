@@ -6,11 +6,9 @@
 #include <signal.h>
 #include <sys/stat.h>
 
-#include <chrono>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "tests/control_client.h"
@@ -75,15 +73,9 @@ TEST_F(AccessTest, AnAttachmentIsServedOnlyOnItsConnectorsTransport) {
   int err = 0;
   st::NbdHandle held = st::nbd_connect(uri_of(on_unix), &err);
   ASSERT_TRUE(held) << err;
-  // The server counts a connection a moment after the client saw its handshake end: wait for
-  // it, or the delete may find none to close.
-  bool counted = false;
-  for (int i = 0; i < 1000 && !counted; ++i) {
-    const Json shown = st::rpc_ok(control(), "attachment_show", {{"attachment_id", on_unix["id"]}});
-    counted = shown["connections"] == 1;
-    if (!counted) std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  }
-  ASSERT_TRUE(counted) << "the server never counted the connection";
+  // Counted by the server, or the delete may find none to close.
+  ASSERT_TRUE(st::wait_connections(control(), on_unix["id"], 1))
+      << "the server never counted the connection";
   st::rpc_ok(control(), "attachment_delete", {{"attachment_id", on_unix["id"]}});
   EXPECT_NE(daemon_->log().find("revoked attachment " + on_unix["id"].get<std::string>() +
                                 ": 0 nbdkit connection(s) told, 1 NBD connection(s) closed"),

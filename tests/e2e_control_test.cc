@@ -29,6 +29,7 @@
 #if SHAREBLK_TEST_CEPH
 #include "tests/ceph_cluster.h"
 #endif
+#include "tests/control_client.h"
 #include "tests/lvm_fixture.h"
 #include "tests/nbd_client.h"
 #include "tests/support.h"
@@ -281,15 +282,8 @@ class ControlE2eTest : public ::testing::TestWithParam<std::string> {
     return ok("attachment_show", {{"attachment_id", attachment_id}})
         .value("connections", size_t{9999});
   }
-  // The server counts a connection once its handshake is done, which may be a moment after
-  // the client saw the handshake end.
   bool wait_connections(const std::string& attachment_id, size_t want) {
-    const auto deadline = std::chrono::steady_clock::now() + seconds(10);
-    while (std::chrono::steady_clock::now() < deadline) {
-      if (connections(attachment_id) == want) return true;
-      std::this_thread::sleep_for(milliseconds(10));
-    }
-    return false;
+    return st::wait_connections(control_socket(), attachment_id, want);
   }
 
   st::TempDir dir_;
