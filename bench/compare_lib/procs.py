@@ -56,6 +56,16 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
+def machine_ticks() -> tuple[int, int]:
+    """(busy, available) CPU ticks of the whole machine so far, from /proc/stat: busy is
+    user, nice, system, irq and softirq; available leaves out steal (what the hypervisor
+    kept)."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n")[0].split()[1:9]]
+    user, nice, system, idle, iowait, irq, softirq, _steal = fields
+    busy = user + nice + system + irq + softirq
+    return busy, busy + idle + iowait
+
+
 def tree_cpu_ticks(pid: int) -> int:
     """utime+stime (+ reaped children's) of PID and every live descendant, in clock ticks.
 
