@@ -6,14 +6,23 @@
 // system calls it cannot do without. Its CPU per I/O at QD1 is a floor for shareblkd's.
 //
 //   cc -O2 -o /tmp/server_model bench/server_model.c
-//   /tmp/server_model FILE SOCKET
+//   /tmp/server_model [-b] [-n] FILE SOCKET|tcp:PORT
 //   fio --ioengine=nbd --uri='nbd+unix:///?socket=SOCKET' --rw=randread --bs=4k --iodepth=1 ...
+//
+// -b reads through the page cache instead (no O_DIRECT). -n reads nothing: every reply sends
+// whatever the buffer holds, so the server costs only the receive and the send; with 1 MiB
+// reads that is a ceiling for any one-thread server of one connection (bench/PROFILE.md,
+// "Page-cache 1 MiB reads with the cache warm"). tcp:PORT listens on 127.0.0.1:PORT
+// (TCP_NODELAY) instead of a Unix socket.
 //
 // It serves connections one after another until killed. Not a server for anything but this
 // measurement: it trusts the client (lengths are capped, nothing else is checked).
 #define _GNU_SOURCE
+#include <arpa/inet.h>
 #include <endian.h>
 #include <fcntl.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -88,6 +97,8 @@ static int handshake(int fd, uint64_t size) {
   }
 }
 
+static int read_nothing;  // -n
+
 static void serve(int fd, int file, char* buf) {
   for (;;) {
     char req[28];
@@ -106,7 +117,7 @@ static void serve(int fd, int file, char* buf) {
     if (type != 0 || length > kMaxLength) {
       error = 22;  // EINVAL: reads only
       length = 0;
-    } else if (pread(file, buf, length, (off_t)offset) != (ssize_t)length) {
+    } else if (!read_nothing && pread(file, buf, length, (off_t)offset) != (ssize_t)length) {
       error = 5;  // EIO
       length = 0;
     }
@@ -121,30 +132,63 @@ static void serve(int fd, int file, char* buf) {
   }
 }
 
+static int listen_on(const char* where) {
+  if (strncmp(where, "tcp:", 4) == 0) {
+    int listener = socket(AF_INET, SOCK_STREAM, 0);
+    int one = 1;
+    setsockopt(listener, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+    struct sockaddr_in addr = {.sin_family = AF_INET,
+                               .sin_port = htons((uint16_t)atoi(where + 4)),
+                               .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+    if (bind(listener, (struct sockaddr*)&addr, sizeof addr) != 0) return -1;
+    return listen(listener, 8) == 0 ? listener : -1;
+  }
+  int listener = socket(AF_UNIX, SOCK_STREAM, 0);
+  struct sockaddr_un addr = {.sun_family = AF_UNIX};
+  snprintf(addr.sun_path, sizeof addr.sun_path, "%s", where);
+  unlink(where);
+  if (bind(listener, (struct sockaddr*)&addr, sizeof addr) != 0) return -1;
+  return listen(listener, 8) == 0 ? listener : -1;
+}
+
 int main(int argc, char** argv) {
-  if (argc != 3) {
-    fprintf(stderr, "usage: %s FILE SOCKET\n", argv[0]);
+  int flags = O_RDONLY | O_DIRECT;
+  int opt;
+  while ((opt = getopt(argc, argv, "bn")) != -1) {
+    if (opt == 'b')
+      flags = O_RDONLY;
+    else if (opt == 'n')
+      read_nothing = 1;
+    else
+      return 2;
+  }
+  if (argc - optind != 2) {
+    fprintf(stderr, "usage: %s [-b] [-n] FILE SOCKET|tcp:PORT\n", argv[0]);
     return 2;
   }
-  int file = open(argv[1], O_RDONLY | O_DIRECT);
+  const char* path = argv[optind];
+  const char* where = argv[optind + 1];
+  int file = open(path, flags);
   struct stat st;
   if (file < 0 || fstat(file, &st) != 0) {
-    perror(argv[1]);
+    perror(path);
     return 1;
   }
   char* buf = NULL;
   if (posix_memalign((void**)&buf, 4096, kMaxLength) != 0) return 1;
-  int listener = socket(AF_UNIX, SOCK_STREAM, 0);
-  struct sockaddr_un addr = {.sun_family = AF_UNIX};
-  snprintf(addr.sun_path, sizeof addr.sun_path, "%s", argv[2]);
-  unlink(argv[2]);
-  if (bind(listener, (struct sockaddr*)&addr, sizeof addr) != 0 || listen(listener, 8) != 0) {
-    perror(argv[2]);
+  int listener = listen_on(where);
+  if (listener < 0) {
+    perror(where);
     return 1;
   }
+  const int tcp = strncmp(where, "tcp:", 4) == 0;
   for (;;) {
     int fd = accept(listener, NULL, NULL);
     if (fd < 0) continue;
+    if (tcp) {
+      int one = 1;
+      setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+    }
     if (handshake(fd, (uint64_t)st.st_size) == 0) serve(fd, file, buf);
     close(fd);
   }
