@@ -121,6 +121,8 @@ po::options_description daemon_options() {
     ("peer-timeout-ms", whole<Milliseconds>(ms(defaults.peer_timeout)),
      "milliseconds a TCP client's host may stay silent before its connection is dropped "
      "(0 = the kernel's defaults)")
+    ("tcp-send-buffer-kib", whole<KiB>(defaults.tcp_send_buffer >> 10),
+     "KiB of send buffer asked for on each TCP connection (0 = the kernel's autotuning)")
     ("payload-memory-mib", whole<MiB>(0),
      "MiB of request payloads all NBD connections may hold at once (0 = a quarter of RAM)")
     ("max-control-connections", whole<Count>(4096),

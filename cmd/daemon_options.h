@@ -21,6 +21,7 @@ struct Whole {
 using Count = Whole<unsigned, 1U << 30>;
 using Milliseconds = Whole<unsigned, 24U * 3600 * 1000>;  // a day, at most
 using MiB = Whole<uint64_t, uint64_t{1} << 40>;
+using KiB = Whole<unsigned, 1U << 20>;  // a GiB, at most
 using Workers = Whole<unsigned, 256>;
 
 // The options shareblkd shows in --help, with the renamed ones' old spellings hidden beside.

@@ -291,6 +291,7 @@ int run(int argc, char** argv) {
       std::chrono::milliseconds(vm["peer-timeout-ms"].as<cmd::Milliseconds>().value);
   options.payload_timeout =
       std::chrono::milliseconds(vm["payload-timeout-ms"].as<cmd::Milliseconds>().value);
+  options.tcp_send_buffer = vm["tcp-send-buffer-kib"].as<cmd::KiB>().value << 10;
   sigset_t signals = block_signals();
   // Socket activation: the sockets a .socket unit passed replace the configured ones (one
   // config file serves both ways of starting; binding --listen-unix's path as well would take

@@ -234,7 +234,7 @@ void Server::Impl::handshake(int fd, bool tcp, const std::string& key) {
   } else {
     secure.reset();
   }
-  enlarge_send_buffer(fd);
+  size_send_buffer(fd, tcp, options.tcp_send_buffer);
 
   {
     std::unique_lock lock(mutex);

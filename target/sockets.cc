@@ -22,8 +22,9 @@
 
 namespace shareblk::target {
 
-void enlarge_send_buffer(int fd) {
-  const int bytes = 4 << 20;
+void size_send_buffer(int fd, bool tcp, unsigned tcp_bytes) {
+  if (tcp && tcp_bytes == 0) return;
+  const int bytes = tcp ? static_cast<int>(std::min<unsigned>(tcp_bytes, 1U << 30)) : 4 << 20;
   if (::setsockopt(fd, SOL_SOCKET, SO_SNDBUFFORCE, &bytes, sizeof bytes) != 0) {
     ::setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &bytes, sizeof bytes);  // capped by wmem_max
   }

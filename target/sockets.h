@@ -11,9 +11,11 @@
 
 namespace shareblk::target {
 
-// Room for several maximum-size replies in the socket: with the default (about 208 KiB on
-// Unix sockets) a 1 MiB read reply needs several round trips through the send queue.
-void enlarge_send_buffer(int fd);
+// The send buffer of an accepted socket. Unix: 4 MiB, room for several maximum-size replies
+// (with the default, about 208 KiB, a 1 MiB read reply needs several round trips through the
+// send queue). TCP: `tcp_bytes` (ServerOptions::tcp_send_buffer says why not more), or the
+// kernel's autotuning when 0.
+void size_send_buffer(int fd, bool tcp, unsigned tcp_bytes);
 
 // A TCP client whose host dies sends no FIN or RST: without these its connection would stay
 // established for ever when idle (keepalive off), or for ~15 min of retransmissions when a
