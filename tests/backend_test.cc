@@ -1061,6 +1061,45 @@ TEST_F(BackendTest, PageCacheWritesStayOnTheCallingThread) {
   EXPECT_EQ(on_disk(kSize - 8192, 4096), data.substr(kSize - 8192, 4096));
 }
 
+// --buffered: a large read is copied out of the page cache on an io-wq thread, beside the
+// ring's thread (which sends the replies before it); small reads stay on the ring's thread.
+TEST_F(BackendTest, LargePageCacheReadsAreCopiedOffTheCallingThread) {
+  std::error_code ec;
+  auto buffered = Volume::open(path_, ec, backend::OpenOptions{.direct = false});
+  ASSERT_TRUE(buffered) << ec.message();
+  const Handle h(buffered, AttachMode::ReadOnly);
+  const std::string data = pattern(kSize, 47);
+  ASSERT_TRUE(pwrite_file(path_, data, 0));
+  std::thread([&] {
+    backend::Ring ring(64, ec);
+    ASSERT_FALSE(ec) << ec.message();
+    AlignedBuffer buf(kSize);
+    std::vector<RecordingRequest> small;
+    small.reserve(16);
+    for (uint32_t i = 0; i < 16; ++i) {
+      small.push_back(make_request(Op::Read, uint64_t{i} * 8192, 4096, buf.data() + i * 4096));
+    }
+    std::vector<RecordingRequest*> all;
+    for (RecordingRequest& r : small) {
+      ring.submit(h, &r);
+      all.push_back(&r);
+    }
+    ASSERT_TRUE(pump(ring, all));
+    for (uint32_t i = 0; i < 16; ++i) {
+      EXPECT_EQ(small[i].err, 0);
+      EXPECT_EQ(std::string(buf.data() + i * 4096, 4096), data.substr(i * 8192, 4096));
+    }
+    EXPECT_EQ(io_worker_threads(), 0) << "4 KiB page-cache reads went through io-wq";
+
+    RecordingRequest large = make_request(Op::Read, 0, kSize, buf.data());
+    ring.submit(h, &large);
+    ASSERT_TRUE(pump(ring, {&large}));
+    EXPECT_EQ(large.err, 0);
+    EXPECT_TRUE(std::string(buf.data(), kSize) == data) << "the large read's bytes differ";
+    EXPECT_GT(io_worker_threads(), 0) << "a 1 MiB page-cache read stayed on the ring's thread";
+  }).join();
+}
+
 TEST_F(TmpfsTest, WriteZeroesWithNoHoleFallsBackToWriting) {
   // tmpfs has no FALLOC_FL_ZERO_RANGE, so the zeroes are written, more than one zero buffer's
   // worth here, with a ragged end.
