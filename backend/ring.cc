@@ -165,9 +165,9 @@ bool copies_inline(const Volume& v, const Step& step) {
 
 // Large page-cache reads (--buffered, 256 KiB and more) go to an io-wq thread at once: the
 // copy out of the page cache (about 60 µs a MiB) then runs beside the ring's thread, which
-// meanwhile sends the replies before it, instead of in turn with them. 1 MiB sequential reads
-// went 1.1-1.4x as fast, over TCP and Unix sockets alike (bench/PROFILE.md, "Page-cache 1 MiB
-// reads with the cache warm"). Small reads stay inline: the hop would cost more than the copy.
+// meanwhile sends the replies before it, instead of in turn with them: 1 MiB sequential reads
+// over TCP went 1.1-1.4x as fast (bench/PROFILE.md, "Page-cache 1 MiB reads with the cache
+// warm"). Small reads stay inline: the hop would cost more than the copy.
 bool copies_on_io_wq(const Volume& v, const Step& step) {
   return step.call == Syscall::Read && !v.is_direct() && step.length >= (256U << 10);
 }
