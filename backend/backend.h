@@ -472,7 +472,9 @@ class Ring {
   void unregister_buffer(int index);
 
   // Raw operations; `done->complete(res)` gets the io_uring result.
-  void recv(int fd, void* buf, size_t length, Completion* done);
+  // recv `once_readable`: no attempt before the socket polls readable (which SO_RCVLOWAT can
+  // put off until enough has come); kernels before 5.19 try at once.
+  void recv(int fd, void* buf, size_t length, Completion* done, bool once_readable = false);
   void sendmsg(int fd, const msghdr* msg, Completion* done);
   void read(int fd, void* buf, size_t length, Completion* done);
 
@@ -494,6 +496,7 @@ class Ring {
   std::unique_ptr<io_uring> ring_;
   std::vector<std::unique_ptr<RemoteReaper>> reapers_;
   std::vector<int> free_buffer_slots_;  // empty when the kernel has no table for us
+  bool poll_first_ = false;             // IORING_RECVSEND_POLL_FIRST is known (5.19+)
 };
 
 }  // namespace shareblk::backend

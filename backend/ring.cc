@@ -65,6 +65,8 @@ Ring::Ring(unsigned entries, std::error_code& ec) : ring_(std::make_unique<io_ur
     params.flags = flags | IORING_SETUP_CQSIZE;
     params.cq_entries = entries * 4;
     rc = io_uring_queue_init_params(entries, ring_.get(), &params);
+    // COOP_TASKRUN came with POLL_FIRST (5.19); an older kernel refuses the flag it does not know.
+    poll_first_ = flags != 0;
     if (rc != -EINVAL) break;
   }
   if (rc < 0) {
@@ -116,9 +118,10 @@ io_uring_sqe* Ring::next_sqe() {
   return sqe;
 }
 
-void Ring::recv(int fd, void* buf, size_t length, Completion* done) {
+void Ring::recv(int fd, void* buf, size_t length, Completion* done, bool once_readable) {
   io_uring_sqe* sqe = next_sqe();
   io_uring_prep_recv(sqe, fd, buf, length, 0);
+  if (once_readable && poll_first_) sqe->ioprio |= IORING_RECVSEND_POLL_FIRST;
   io_uring_sqe_set_data(sqe, done);
 }
 

@@ -12,6 +12,7 @@
 #include <utility>
 
 #include "target/rate_limited_log.h"
+#include "target/sockets.h"
 #include "target/worker.h"
 
 namespace shareblk::target {
@@ -122,6 +123,7 @@ Connection::Connection(Worker& worker, int fd, Session session, std::unique_ptr<
       counters_(worker.counters_for(session_.exp.group)),
       qos_(session_.exp.qos ? *session_.exp.qos : QosLimiter::unlimited()),
       rbuf_(new char[kRecvBufferSize]),
+      tcp_(is_tcp(fd)),
       tls_(std::move(tls)) {
   recv_done_.conn = this;
   send_done_.conn = this;
@@ -179,10 +181,11 @@ void Connection::post_recv() {
     drop_partial_request();
     return;
   }
-  if (payload_for_ != nullptr) {  // the rest of a WRITE's payload goes straight to its buffer
-    recv_into(payload_for_->buf + payload_got_, payload_for_->length - payload_got_);
+  if (payload_for_ != nullptr) {
+    recv_payload();
     return;
   }
+  if (wake_at_ != 1) wake_reader_at(fd_, wake_at_ = 1);  // a header may be all that comes
   // Back-pressure: a client with too much in flight waits for replies before we read more.
   // Not while skipping a payload, which takes no memory and whose request counts in flight.
   if (discard_left_ == 0 && must_wait()) return;
@@ -193,6 +196,23 @@ void Connection::post_recv() {
     rpos_ = 0;
   }
   recv_into(rbuf_.get() + rend_, kRecvBufferSize - rend_);
+}
+
+// The rest of a WRITE's payload goes straight to its buffer. Over TCP a large one is taken
+// in one receive once it is all here (SO_RCVLOWAT): woken at every segment, the worker took
+// 1 MiB in about five receives, and the client, which delivers each segment, paid for waking
+// it (bench/PROFILE.md, "Page-cache 1 MiB writes"). Unix sockets wake their reader at every
+// message whatever the mark, and a TLS record is decrypted as it comes.
+void Connection::recv_payload() {
+  char* into = payload_for_->buf + payload_got_;
+  const size_t left = payload_for_->length - payload_got_;
+  if (!tcp_ || tls_ || left < kRecvBufferSize) {
+    recv_into(into, left);
+    return;
+  }
+  if (static_cast<size_t>(wake_at_) != left) wake_reader_at(fd_, wake_at_ = static_cast<int>(left));
+  recv_pending_ = true;
+  worker_.ring().recv(fd_, into, left, &recv_done_, /*once_readable=*/true);
 }
 
 void Connection::recv_into(char* into, size_t length) {
@@ -213,6 +233,7 @@ void Connection::recv_into(char* into, size_t length) {
 
 void Connection::on_recv(int res) {
   recv_pending_ = false;
+  unread_seen_ = 0;
   if (res == -EINTR || res == -EAGAIN) {
     post_recv();
     return;
@@ -272,6 +293,17 @@ void Connection::track_payload() {
   } else {
     worker_.payload_ended();
   }
+}
+
+bool Connection::payload_stalled_since(std::chrono::steady_clock::time_point since) {
+  if (!awaiting_payload_ || broken_ || payload_progress_ >= since) return false;
+  if (wake_at_ == 1) return true;
+  // Under a low-water mark bytes can have come without waking us: more of them is progress.
+  const int unread = unread_bytes(fd_);
+  if (unread <= unread_seen_) return true;
+  unread_seen_ = unread;
+  payload_progress_ = std::chrono::steady_clock::now();
+  return false;
 }
 
 bool Connection::must_wait() {

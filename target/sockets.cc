@@ -7,6 +7,7 @@
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <poll.h>
+#include <sys/ioctl.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -28,6 +29,22 @@ void size_send_buffer(int fd, bool tcp, unsigned tcp_bytes) {
   if (::setsockopt(fd, SOL_SOCKET, SO_SNDBUFFORCE, &bytes, sizeof bytes) != 0) {
     ::setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &bytes, sizeof bytes);  // capped by wmem_max
   }
+}
+
+bool is_tcp(int fd) {
+  int domain = 0;
+  socklen_t len = sizeof domain;
+  if (::getsockopt(fd, SOL_SOCKET, SO_DOMAIN, &domain, &len) != 0) return false;
+  return domain == AF_INET || domain == AF_INET6;
+}
+
+void wake_reader_at(int fd, int bytes) {
+  ::setsockopt(fd, SOL_SOCKET, SO_RCVLOWAT, &bytes, sizeof bytes);
+}
+
+int unread_bytes(int fd) {
+  int n = 0;
+  return ::ioctl(fd, FIONREAD, &n) == 0 ? n : 0;
 }
 
 void drop_silent_peers_after(int fd, std::chrono::milliseconds timeout) {

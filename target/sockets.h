@@ -17,6 +17,17 @@ namespace shareblk::target {
 // kernel's autotuning when 0.
 void size_send_buffer(int fd, bool tcp, unsigned tcp_bytes);
 
+// True for a TCP socket (AF_INET or AF_INET6).
+bool is_tcp(int fd);
+
+// SO_RCVLOWAT: a TCP socket wakes its reader once `bytes` are queued (the kernel may lower
+// it to half its largest receive buffer), not at every segment. `bytes` must be at most what
+// the client is bound to send next, or the reader may wait for bytes that never come.
+void wake_reader_at(int fd, int bytes);
+
+// Bytes queued in a socket that nobody has read yet (FIONREAD); 0 when the kernel cannot say.
+int unread_bytes(int fd);
+
 // A TCP client whose host dies sends no FIN or RST: without these its connection would stay
 // established for ever when idle (keepalive off), or for ~15 min of retransmissions when a
 // reply is unacknowledged (tcp_retries2). Both are bounded by `timeout` (tcp(7):

@@ -187,9 +187,7 @@ class Connection {
   }
   // True when a request's payload has been awaited since before `since` without a byte of it
   // arriving: the client promised bytes it does not send.
-  bool payload_stalled_since(std::chrono::steady_clock::time_point since) const {
-    return awaiting_payload_ && !broken_ && payload_progress_ < since;
-  }
+  bool payload_stalled_since(std::chrono::steady_clock::time_point since);
 
  private:
   struct RecvCompletion final : backend::Completion {
@@ -206,6 +204,8 @@ class Connection {
   };
 
   void post_recv();
+  // Receives the rest of payload_for_'s payload; on_recv() follows.
+  void recv_payload();
   // Receives up to `length` bytes of the request stream into `into`; on_recv() follows.
   void recv_into(char* into, size_t length);
   void post_cipher_recv();
@@ -266,6 +266,11 @@ class Connection {
   // A payload (payload_for_'s or refused_'s) is awaited; since when a byte of it last came.
   bool awaiting_payload_ = false;
   std::chrono::steady_clock::time_point payload_progress_;
+  // TCP: the socket's SO_RCVLOWAT (recv_payload() says why), and how many bytes the stall
+  // check last saw queued under it, unread (they count as progress).
+  const bool tcp_;
+  int wake_at_ = 1;
+  int unread_seen_ = 0;
 
   RecvCompletion recv_done_;
   SendCompletion send_done_;

@@ -1,7 +1,9 @@
 // The end-to-end NBD suite's shared parts; what each is for is in e2e_nbd_fixture.h.
 #include "tests/e2e_nbd_fixture.h"
 
+#include <arpa/inet.h>
 #include <fcntl.h>
+#include <netinet/in.h>
 #include <poll.h>
 #include <signal.h>
 #include <sys/socket.h>
@@ -173,6 +175,19 @@ RawClient::RawClient(const std::string& socket_path) {
   addr.sun_family = AF_UNIX;
   std::strncpy(addr.sun_path, socket_path.c_str(), sizeof addr.sun_path - 1);
   if (fd_ >= 0 && ::connect(fd_, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) {
+    ::close(fd_);
+    fd_ = -1;
+  }
+  set_timeouts();
+}
+
+RawClient::RawClient(const std::string& ipv4_address, int port) {
+  fd_ = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  if (fd_ >= 0 && (::inet_pton(AF_INET, ipv4_address.c_str(), &addr.sin_addr) != 1 ||
+                   ::connect(fd_, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0)) {
     ::close(fd_);
     fd_ = -1;
   }

@@ -92,6 +92,8 @@ uint32_t status_at(const std::vector<Extent>& extents, uint64_t offset);
 class RawClient {
  public:
   explicit RawClient(const std::string& socket_path);
+  // Over TCP to `ipv4_address`:`port`.
+  RawClient(const std::string& ipv4_address, int port);
   // Takes over `fd`, a connected socket (or -1: not connected).
   explicit RawClient(int fd) : fd_(fd) { set_timeouts(); }
   ~RawClient() { close(); }

@@ -18,10 +18,68 @@ class PayloadDeadlineTest : public E2eTest {
   std::unique_ptr<Daemon> start_with_deadline(const std::string& ms) {
     return std::make_unique<Daemon>(
         std::vector<std::string>{"--export", "disk=" + disk_, "--listen-unix", deadline_socket(),
-                                 "--workers", "1", "--payload-timeout-ms", ms},
+                                 "--listen-tcp", "127.0.0.1:0", "--workers", "1",
+                                 "--payload-timeout-ms", ms},
         deadline_socket());
   }
 };
+
+// Over TCP a large payload wakes the worker only once it is all there (SO_RCVLOWAT), so bytes
+// can have arrived that the worker has not seen: they count as the payload coming.
+TEST_F(PayloadDeadlineTest, OverTcpALargePayloadThatKeepsComingIsTakenWhole) {
+  auto daemon = start_with_deadline("500");
+  RawClient c("127.0.0.1", logged_tcp_port(*daemon, "127.0.0.1"));
+  ASSERT_TRUE(handshake(c, "disk"));
+  const std::string data = random_bytes(kMiB, 11);
+  ASSERT_TRUE(send_request(c, nbd::kCmdWrite, 1, 0, static_cast<uint32_t>(data.size())));
+  const size_t piece = data.size() / 16;  // 16 pieces over 2.25 s, as above
+  for (size_t at = 0; at < data.size(); at += piece) {
+    if (at > 0) std::this_thread::sleep_for(150ms);
+    ASSERT_TRUE(c.send_all(data.substr(at, piece)));
+  }
+  SimpleReply reply;
+  ASSERT_TRUE(read_simple_reply(c, reply)) << daemon->log();
+  EXPECT_EQ(reply.cookie, 1u);
+  EXPECT_EQ(reply.error, 0u);
+  // And with nothing more sent after it, a write that follows is answered: the worker does not
+  // wait for more bytes than the next request brings.
+  const std::string next = random_bytes(200 * kKiB, 12);
+  ASSERT_TRUE(send_request(c, nbd::kCmdWrite, 2, kMiB, static_cast<uint32_t>(next.size())));
+  ASSERT_TRUE(c.send_all(next));
+  ASSERT_TRUE(read_simple_reply(c, reply)) << daemon->log();
+  EXPECT_EQ(reply.cookie, 2u);
+  EXPECT_EQ(reply.error, 0u);
+  Nbd h = open_nbd(deadline_socket(), "disk");
+  ASSERT_TRUE(h);
+  EXPECT_TRUE(same_bytes(nbd_read(h.get(), 0, data.size()), data));
+  EXPECT_TRUE(same_bytes(nbd_read(h.get(), kMiB, next.size()), next));
+  EXPECT_EQ(daemon->log().find("cutting it off"), std::string::npos) << daemon->log();
+  h.reset();
+  c.close();
+  EXPECT_EQ(daemon->stop(SIGTERM), 0) << daemon->log();
+}
+
+// Bytes that came and then stopped are not progress for ever: the payload still stalls.
+TEST_F(PayloadDeadlineTest, OverTcpALargePayloadThatStopsIsCutOff) {
+  auto daemon = start_with_deadline("500");
+  RawClient c("127.0.0.1", logged_tcp_port(*daemon, "127.0.0.1"));
+  ASSERT_TRUE(handshake(c, "disk"));
+  const auto sent = std::chrono::steady_clock::now();
+  ASSERT_TRUE(send_request(c, nbd::kCmdWrite, 1, 0, static_cast<uint32_t>(kMiB)));
+  ASSERT_TRUE(c.send_all(std::string(300 * kKiB, 'x')));  // of 1 MiB, and then nothing
+  ASSERT_TRUE(c.closed_by_server(5s)) << "the stalled writer still holds its connection";
+  const auto waited = std::chrono::steady_clock::now() - sent;
+  EXPECT_GE(waited, 450ms);
+  EXPECT_LE(waited, 2s);
+  EXPECT_NE(daemon->log().find("sent none of a request's payload for 500 ms; cutting it off"),
+            std::string::npos)
+      << daemon->log();
+  Nbd h = open_nbd(deadline_socket(), "disk");
+  ASSERT_TRUE(h);
+  EXPECT_EQ(nbd_read(h.get(), 0, 4096), std::string(4096, '\0'));
+  h.reset();
+  EXPECT_EQ(daemon->stop(SIGTERM), 0) << daemon->log();
+}
 
 TEST_F(PayloadDeadlineTest, AWriteWhosePayloadStopsIsCutOffWhileOthersAreServed) {
   auto daemon = start_with_deadline("500");
