@@ -433,6 +433,10 @@ class IoRequest : public Completion {
   uint32_t length = 0;
   char* buf = nullptr;  // Read, Write: `length` bytes; best aligned to 4096 for O_DIRECT
   int buf_index = -1;   // `buf` lies in this Ring::register_buffer() buffer, or -1
+  // A page-cache write of 256 KiB or more is copied into the page cache on an io-wq thread,
+  // beside the ring's, not on it: for a frontend whose thread is the slower side and has the
+  // next payload to receive meanwhile (an NBD worker reading a Unix socket; see ring.cc).
+  bool copy_writes_beside = false;
 
   // Called once with 0 or a positive errno.
   virtual void done(int err) = 0;

@@ -157,7 +157,7 @@ Work work_of(const IoRequest& r) {
 //     the disk: on io-wq it held that file's writes, here it holds the worker's other
 //     connections too (README, "The page cache").
 // Page-cache reads stay on io_uring, which copies what is cached without a thread and waits
-// for the rest without one; but see copies_on_io_wq().
+// for the rest without one. Large copies of either kind: see copies_on_io_wq().
 bool copies_inline(const Volume& v, const Step& step) {
   if (!step.in_request_buffer) return false;
   if (v.in_memory()) return true;
@@ -166,13 +166,20 @@ bool copies_inline(const Volume& v, const Step& step) {
          ((step.offset | step.length) & page_mask) == 0;
 }
 
-// Large page-cache reads (--buffered, 256 KiB and more) go to an io-wq thread at once: the
-// copy out of the page cache (about 60 µs a MiB) then runs beside the ring's thread, which
-// meanwhile sends the replies before it, instead of in turn with them: 1 MiB sequential reads
-// over TCP went 1.1-1.4x as fast (bench/PROFILE.md, "Page-cache 1 MiB reads with the cache
-// warm"). Small reads stay inline: the hop would cost more than the copy.
-bool copies_on_io_wq(const Volume& v, const Step& step) {
-  return step.call == Syscall::Read && !v.is_direct() && step.length >= (256U << 10);
+// Large page-cache copies (--buffered, 256 KiB and more) that go to an io-wq thread at once,
+// to run beside the ring's thread instead of in turn with its other work. Small ones stay
+// where they are: the hop would cost more than the copy.
+//   - Reads: the ring's thread meanwhile sends the replies before it; 1 MiB sequential reads
+//     over TCP went 1.1-1.4x as fast (bench/PROFILE.md, "Page-cache 1 MiB reads with the
+//     cache warm").
+//   - Writes, when the frontend asks (IoRequest::copy_writes_beside): over a Unix socket the
+//     worker receives a 1 MiB payload in many small pieces, as fast as the client's small
+//     send buffer lets it, and is the slower side; with the copy beside it, 1 MiB writes
+//     went 1.05-1.18x as fast. Over TCP the client is the slower side and the hop cost
+//     0.81-0.87x (bench/PROFILE.md, "Page-cache 1 MiB writes over TCP").
+bool copies_on_io_wq(const Volume& v, const Step& step, const IoRequest& r) {
+  if (v.is_direct() || v.in_memory() || step.length < (256U << 10)) return false;
+  return step.call == Syscall::Read || (step.call == Syscall::Write && r.copy_writes_beside);
 }
 }  // namespace
 
@@ -235,7 +242,8 @@ void Ring::start(IoRequest* r) {
     return;
   }
   const auto length = static_cast<unsigned>(step.length);  // a request is at most 4 GiB
-  if (copies_inline(v, step)) {
+  const bool beside = copies_on_io_wq(v, step, *r);
+  if (!beside && copies_inline(v, step)) {
     const iovec iov{step.data, length};
     const auto pos = static_cast<off_t>(step.offset);
     const ssize_t n = step.call == Syscall::Read ? ::preadv2(step.fd, &iov, 1, pos, 0)
@@ -252,7 +260,7 @@ void Ring::start(IoRequest* r) {
       } else {
         io_uring_prep_read(sqe, step.fd, step.data, length, step.offset);
       }
-      if (copies_on_io_wq(v, step)) sqe->flags |= IOSQE_ASYNC;
+      if (beside) sqe->flags |= IOSQE_ASYNC;
       break;
     case Syscall::Write:
       if (fixed) {
@@ -261,6 +269,7 @@ void Ring::start(IoRequest* r) {
         io_uring_prep_write(sqe, step.fd, step.data, length, step.offset);
       }
       sqe->rw_flags = step.mode;
+      if (beside) sqe->flags |= IOSQE_ASYNC;
       break;
     case Syscall::Fallocate:
       io_uring_prep_fallocate(sqe, step.fd, step.mode, step.offset, step.length);

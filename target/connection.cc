@@ -201,8 +201,8 @@ void Connection::post_recv() {
 // The rest of a WRITE's payload goes straight to its buffer. Over TCP a large one is taken
 // in one receive once it is all here (SO_RCVLOWAT): woken at every segment, the worker took
 // 1 MiB in about five receives, and the client, which delivers each segment, paid for waking
-// it (bench/PROFILE.md, "Page-cache 1 MiB writes"). Unix sockets wake their reader at every
-// message whatever the mark, and a TLS record is decrypted as it comes.
+// it (bench/PROFILE.md, "Page-cache 1 MiB writes over TCP"). Unix sockets wake their reader
+// at every message whatever the mark, and a TLS record is decrypted as it comes.
 void Connection::recv_payload() {
   char* into = payload_for_->buf + payload_got_;
   const size_t left = payload_for_->length - payload_got_;
@@ -375,6 +375,8 @@ bool Connection::begin_request(const nbd::Request& h) {
   r->buf_index = -1;
   r->payload_size = 0;
   r->next = nullptr;
+  // Over TCP the client, not this worker, is the slower side of a large write (ring.cc).
+  r->copy_writes_beside = !tcp_;
   ++inflight_;
 
   int err = 0;

@@ -1100,6 +1100,39 @@ TEST_F(BackendTest, LargePageCacheReadsAreCopiedOffTheCallingThread) {
   }).join();
 }
 
+// A large page-cache write is copied on the ring's thread unless the frontend asks for it
+// beside (IoRequest::copy_writes_beside, an NBD worker reading a Unix socket); either way
+// the bytes land.
+TEST_F(BackendTest, LargePageCacheWritesAreCopiedBesideWhenAsked) {
+  std::error_code ec;
+  auto buffered = Volume::open(path_, ec, backend::OpenOptions{.direct = false});
+  ASSERT_TRUE(buffered) << ec.message();
+  const Handle h(buffered, AttachMode::ReadWrite);
+  std::thread([&] {
+    backend::Ring ring(64, ec);
+    ASSERT_FALSE(ec) << ec.message();
+    AlignedBuffer buf(kSize);
+    const std::string first = pattern(kSize, 48);
+    std::memcpy(buf.data(), first.data(), kSize);
+    RecordingRequest inline_write = make_request(Op::Write, 0, kSize, buf.data());
+    ring.submit(h, &inline_write);
+    ASSERT_TRUE(pump(ring, {&inline_write}));
+    EXPECT_EQ(inline_write.err, 0);
+    EXPECT_TRUE(pread_file(path_, 0, kSize) == first) << "the inline write's bytes differ";
+    EXPECT_EQ(io_worker_threads(), 0) << "a 1 MiB page-cache write went through io-wq unasked";
+
+    const std::string second = pattern(kSize, 49);
+    std::memcpy(buf.data(), second.data(), kSize);
+    RecordingRequest beside = make_request(Op::Write, 0, kSize, buf.data());
+    beside.copy_writes_beside = true;
+    ring.submit(h, &beside);
+    ASSERT_TRUE(pump(ring, {&beside}));
+    EXPECT_EQ(beside.err, 0);
+    EXPECT_TRUE(pread_file(path_, 0, kSize) == second) << "the write beside left other bytes";
+    EXPECT_GT(io_worker_threads(), 0) << "the write asked beside stayed on the ring's thread";
+  }).join();
+}
+
 TEST_F(TmpfsTest, WriteZeroesWithNoHoleFallsBackToWriting) {
   // tmpfs has no FALLOC_FL_ZERO_RANGE, so the zeroes are written, more than one zero buffer's
   // worth here, with a ragged end.
