@@ -22,6 +22,23 @@ class PayloadDeadlineTest : public E2eTest {
                                  "--payload-timeout-ms", ms},
         deadline_socket());
   }
+  // Sends a WRITE of `data` at `offset` in 16 pieces 150 ms apart (2.25 s in all, several
+  // 500 ms deadlines; a client thread woken late by up to 350 ms on a busy machine still keeps
+  // within one), then expects it answered without error.
+  static void write_in_pieces(RawClient& c, uint64_t cookie, uint64_t offset,
+                              const std::string& data, const Daemon& daemon) {
+    ASSERT_TRUE(
+        send_request(c, nbd::kCmdWrite, cookie, offset, static_cast<uint32_t>(data.size())));
+    const size_t piece = data.size() / 16;
+    for (size_t at = 0; at < data.size(); at += piece) {
+      if (at > 0) std::this_thread::sleep_for(150ms);
+      ASSERT_TRUE(c.send_all(data.substr(at, piece)));
+    }
+    SimpleReply reply;
+    ASSERT_TRUE(read_simple_reply(c, reply)) << daemon.log();
+    EXPECT_EQ(reply.cookie, cookie);
+    EXPECT_EQ(reply.error, 0u);
+  }
 };
 
 // Over TCP a large payload wakes the worker only once it is all there (SO_RCVLOWAT), so bytes
@@ -31,21 +48,13 @@ TEST_F(PayloadDeadlineTest, OverTcpALargePayloadThatKeepsComingIsTakenWhole) {
   RawClient c("127.0.0.1", logged_tcp_port(*daemon, "127.0.0.1"));
   ASSERT_TRUE(handshake(c, "disk"));
   const std::string data = random_bytes(kMiB, 11);
-  ASSERT_TRUE(send_request(c, nbd::kCmdWrite, 1, 0, static_cast<uint32_t>(data.size())));
-  const size_t piece = data.size() / 16;  // 16 pieces over 2.25 s, as above
-  for (size_t at = 0; at < data.size(); at += piece) {
-    if (at > 0) std::this_thread::sleep_for(150ms);
-    ASSERT_TRUE(c.send_all(data.substr(at, piece)));
-  }
-  SimpleReply reply;
-  ASSERT_TRUE(read_simple_reply(c, reply)) << daemon->log();
-  EXPECT_EQ(reply.cookie, 1u);
-  EXPECT_EQ(reply.error, 0u);
+  write_in_pieces(c, 1, 0, data, *daemon);
   // And with nothing more sent after it, a write that follows is answered: the worker does not
   // wait for more bytes than the next request brings.
   const std::string next = random_bytes(200 * kKiB, 12);
   ASSERT_TRUE(send_request(c, nbd::kCmdWrite, 2, kMiB, static_cast<uint32_t>(next.size())));
   ASSERT_TRUE(c.send_all(next));
+  SimpleReply reply;
   ASSERT_TRUE(read_simple_reply(c, reply)) << daemon->log();
   EXPECT_EQ(reply.cookie, 2u);
   EXPECT_EQ(reply.error, 0u);
@@ -125,18 +134,7 @@ TEST_F(PayloadDeadlineTest, APayloadThatKeepsComingIsTakenWhole) {
   RawClient c(deadline_socket());
   ASSERT_TRUE(handshake(c, "disk"));
   const std::string data = random_bytes(64 * kKiB, 7);
-  ASSERT_TRUE(send_request(c, nbd::kCmdWrite, 1, 0, static_cast<uint32_t>(data.size())));
-  // 16 pieces over 2.25 s, 150 ms apart: a client thread woken late by up to 350 ms on a busy
-  // machine still keeps within the deadline.
-  const size_t piece = data.size() / 16;
-  for (size_t at = 0; at < data.size(); at += piece) {
-    if (at > 0) std::this_thread::sleep_for(150ms);
-    ASSERT_TRUE(c.send_all(data.substr(at, piece)));
-  }
-  SimpleReply reply;
-  ASSERT_TRUE(read_simple_reply(c, reply)) << daemon->log();
-  EXPECT_EQ(reply.cookie, 1u);
-  EXPECT_EQ(reply.error, 0u);
+  write_in_pieces(c, 1, 0, data, *daemon);
   Nbd h = open_nbd(deadline_socket(), "disk");
   ASSERT_TRUE(h);
   EXPECT_TRUE(same_bytes(nbd_read(h.get(), 0, data.size()), data));
