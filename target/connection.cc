@@ -185,7 +185,6 @@ void Connection::post_recv() {
     recv_payload();
     return;
   }
-  if (wake_at_ != 1) wake_reader_at(fd_, wake_at_ = 1);  // a header may be all that comes
   // Back-pressure: a client with too much in flight waits for replies before we read more.
   // Not while skipping a payload, which takes no memory and whose request counts in flight.
   if (discard_left_ == 0 && must_wait()) return;
@@ -195,6 +194,7 @@ void Connection::post_recv() {
     rend_ -= rpos_;
     rpos_ = 0;
   }
+  if (wake_at_ != 1) wake_reader_at(fd_, wake_at_ = 1);  // a header may be all that comes
   recv_into(rbuf_.get() + rend_, kRecvBufferSize - rend_);
 }
 
