@@ -6,7 +6,7 @@
 // system calls it cannot do without. Its CPU per I/O at QD1 is a floor for shareblkd's.
 //
 //   cc -O2 -o /tmp/server_model bench/server_model.c
-//   /tmp/server_model [-b] [-n] FILE SOCKET|tcp:PORT
+//   /tmp/server_model [-b] [-n] [-e] FILE SOCKET|tcp:PORT
 //   fio --ioengine=nbd --uri='nbd+unix:///?socket=SOCKET' --rw=randread --bs=4k --iodepth=1 ...
 //
 // -b reads through the page cache instead (no O_DIRECT). -n reads nothing: every reply sends
@@ -15,10 +15,20 @@
 // "Page-cache 1 MiB reads with the cache warm"). tcp:PORT listens on 127.0.0.1:PORT
 // (TCP_NODELAY) instead of a Unix socket.
 //
-// It serves connections one after another until killed. Not a server for anything but this
-// measurement: it trusts the client (lengths are capped, nothing else is checked).
+// It serves connections one after another until killed. -e serves them all at once instead,
+// the way a server of many initiators must: one thread waits in epoll for any connection's
+// requests and answers each as above, while another takes new connections through their
+// handshakes. No connection may then block it on a short request, so the client must send
+// whole 28-byte requests; fio's nbd engine (libnbd) does. bench/initiators --model runs it so,
+// as the ceiling of any server of many initiators on this machine (bench/PROFILE.md, "64
+// initiators against one").
+//
+// Not a server for anything but this measurement: it trusts the client (lengths are capped,
+// nothing else is checked).
 #define _GNU_SOURCE
 #include <arpa/inet.h>
+#include <errno.h>
+#include <pthread.h>
 #include <endian.h>
 #include <fcntl.h>
 #include <netinet/in.h>
@@ -27,6 +37,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/epoll.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/uio.h>
@@ -99,36 +110,102 @@ static int handshake(int fd, uint64_t size) {
 
 static int read_nothing;  // -n
 
+// Answers one request; -1 ends the connection (NBD_CMD_DISC, or the reply could not be sent).
+static int answer(int fd, const char* req, int file, char* buf) {
+  uint16_t type;
+  uint32_t length;
+  uint64_t offset;
+  memcpy(&type, req + 6, 2);
+  memcpy(&offset, req + 16, 8);
+  memcpy(&length, req + 24, 4);
+  type = be16toh(type);
+  offset = be64toh(offset);
+  length = be32toh(length);
+  if (type == 2) return -1;  // NBD_CMD_DISC
+  uint32_t error = 0;
+  if (type != 0 || length > kMaxLength) {
+    error = 22;  // EINVAL: reads only
+    length = 0;
+  } else if (!read_nothing && pread(file, buf, length, (off_t)offset) != (ssize_t)length) {
+    error = 5;  // EIO
+    length = 0;
+  }
+  char reply[16];  // simple reply: magic, error, cookie
+  uint32_t magic = htobe32(0x67446698), err = htobe32(error);
+  memcpy(reply, &magic, 4);
+  memcpy(reply + 4, &err, 4);
+  memcpy(reply + 8, req + 8, 8);
+  struct iovec iov[2] = {{reply, sizeof reply}, {buf, length}};
+  struct msghdr msg = {.msg_iov = iov, .msg_iovlen = length ? 2 : 1};
+  return sendmsg(fd, &msg, MSG_NOSIGNAL) == (ssize_t)(sizeof reply + length) ? 0 : -1;
+}
+
 static void serve(int fd, int file, char* buf) {
+  char req[28];
+  while (read_full(fd, req, sizeof req) == 0 && answer(fd, req, file, buf) == 0) {
+  }
+}
+
+// -e: every connection's requests, from one thread. A connection's socket stays blocking, so
+// that a reply waits for room as in serve(); only receives are asked not to wait.
+struct conn {
+  int fd;
+  size_t have;
+  char req[28 * 64];
+};
+
+struct many {
+  int epoll, listener, tcp, file;
+  uint64_t size;
+};
+
+static void* accept_loop(void* arg) {
+  struct many* m = arg;
   for (;;) {
-    char req[28];
-    if (read_full(fd, req, sizeof req) != 0) return;
-    uint16_t type;
-    uint32_t length;
-    uint64_t offset;
-    memcpy(&type, req + 6, 2);
-    memcpy(&offset, req + 16, 8);
-    memcpy(&length, req + 24, 4);
-    type = be16toh(type);
-    offset = be64toh(offset);
-    length = be32toh(length);
-    if (type == 2) return;  // NBD_CMD_DISC
-    uint32_t error = 0;
-    if (type != 0 || length > kMaxLength) {
-      error = 22;  // EINVAL: reads only
-      length = 0;
-    } else if (!read_nothing && pread(file, buf, length, (off_t)offset) != (ssize_t)length) {
-      error = 5;  // EIO
-      length = 0;
+    int fd = accept(m->listener, NULL, NULL);
+    if (fd < 0) continue;
+    if (m->tcp) {
+      int one = 1;
+      setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
     }
-    char reply[16];  // simple reply: magic, error, cookie
-    uint32_t magic = htobe32(0x67446698), err = htobe32(error);
-    memcpy(reply, &magic, 4);
-    memcpy(reply + 4, &err, 4);
-    memcpy(reply + 8, req + 8, 8);
-    struct iovec iov[2] = {{reply, sizeof reply}, {buf, length}};
-    struct msghdr msg = {.msg_iov = iov, .msg_iovlen = length ? 2 : 1};
-    if (sendmsg(fd, &msg, MSG_NOSIGNAL) != (ssize_t)(sizeof reply + length)) return;
+    struct conn* c = calloc(1, sizeof *c);
+    if (c == NULL || handshake(fd, m->size) != 0) {
+      free(c);
+      close(fd);
+      continue;
+    }
+    c->fd = fd;
+    struct epoll_event ev = {.events = EPOLLIN, .data.ptr = c};
+    if (epoll_ctl(m->epoll, EPOLL_CTL_ADD, fd, &ev) != 0) {
+      free(c);
+      close(fd);
+    }
+  }
+  return NULL;
+}
+
+static void serve_many(struct many* m, char* buf) {
+  pthread_t t;
+  if (pthread_create(&t, NULL, accept_loop, m) != 0) exit(1);
+  struct epoll_event events[64];
+  for (;;) {
+    int n = epoll_wait(m->epoll, events, 64, -1);
+    for (int i = 0; i < n; i++) {
+      struct conn* c = events[i].data.ptr;
+      ssize_t got = recv(c->fd, c->req + c->have, sizeof c->req - c->have, MSG_DONTWAIT);
+      if (got < 0 && (errno == EAGAIN || errno == EINTR)) continue;
+      int end = got <= 0;
+      if (!end) c->have += (size_t)got;
+      size_t at = 0;
+      for (; !end && c->have - at >= 28; at += 28) end = answer(c->fd, c->req + at, m->file, buf);
+      memmove(c->req, c->req + at, c->have - at);
+      c->have -= at;
+      if (end) {
+        epoll_ctl(m->epoll, EPOLL_CTL_DEL, c->fd, NULL);
+        close(c->fd);
+        free(c);
+      }
+    }
   }
 }
 
@@ -141,29 +218,31 @@ static int listen_on(const char* where) {
                                .sin_port = htons((uint16_t)atoi(where + 4)),
                                .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
     if (bind(listener, (struct sockaddr*)&addr, sizeof addr) != 0) return -1;
-    return listen(listener, 8) == 0 ? listener : -1;
+    return listen(listener, 128) == 0 ? listener : -1;
   }
   int listener = socket(AF_UNIX, SOCK_STREAM, 0);
   struct sockaddr_un addr = {.sun_family = AF_UNIX};
   snprintf(addr.sun_path, sizeof addr.sun_path, "%s", where);
   unlink(where);
   if (bind(listener, (struct sockaddr*)&addr, sizeof addr) != 0) return -1;
-  return listen(listener, 8) == 0 ? listener : -1;
+  return listen(listener, 128) == 0 ? listener : -1;
 }
 
 int main(int argc, char** argv) {
   int flags = O_RDONLY | O_DIRECT;
-  int opt;
-  while ((opt = getopt(argc, argv, "bn")) != -1) {
+  int opt, many = 0;
+  while ((opt = getopt(argc, argv, "bne")) != -1) {
     if (opt == 'b')
       flags = O_RDONLY;
     else if (opt == 'n')
       read_nothing = 1;
+    else if (opt == 'e')
+      many = 1;
     else
       return 2;
   }
   if (argc - optind != 2) {
-    fprintf(stderr, "usage: %s [-b] [-n] FILE SOCKET|tcp:PORT\n", argv[0]);
+    fprintf(stderr, "usage: %s [-b] [-n] [-e] FILE SOCKET|tcp:PORT\n", argv[0]);
     return 2;
   }
   const char* path = argv[optind];
@@ -182,6 +261,11 @@ int main(int argc, char** argv) {
     return 1;
   }
   const int tcp = strncmp(where, "tcp:", 4) == 0;
+  if (many) {
+    struct many m = {.epoll = epoll_create1(0), .listener = listener, .tcp = tcp, .file = file,
+                     .size = (uint64_t)st.st_size};
+    serve_many(&m, buf);
+  }
   for (;;) {
     int fd = accept(listener, NULL, NULL);
     if (fd < 0) continue;
