@@ -20,7 +20,7 @@ from pathlib import Path
 from .context import MIB, REPO, Context, human_size, log, parse_size
 from .frontends import lazy_unmount, mount_points
 from .jobs import JOB_BY_NAME, JOBS, run_transport
-from .measure import ensure_backing, fill_file
+from .measure import ensure_backing
 from .report import Report, closing_notes, machine_header
 from .servers import SERVERS
 
@@ -134,8 +134,7 @@ def main() -> int:
                 jobs = [j for j in jobs if not j.tmpfs]
             else:
                 shm_dir = Path(tempfile.mkdtemp(prefix="shareblk-bench-", dir="/dev/shm"))
-                ctx.tmpfs_file = shm_dir / "vol.img"
-                fill_file(ctx.tmpfs_file, ctx.tmpfs_size, "tmpfs file")
+                ctx.tmpfs_file = shm_dir / "vol.img"  # filled for the tmpfs job only (jobs.py)
         for t in transports:
             run_transport(ctx, t, jobs, servers, with_fuse=t == transports[0])
     except KeyboardInterrupt as e:

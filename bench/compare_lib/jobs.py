@@ -11,13 +11,14 @@ through `record`, into `Context.results` (or `Context.failures`). How one run is
 
 from __future__ import annotations
 
+import contextlib
 import shlex
 from dataclasses import dataclass
 from typing import Callable
 
 from .context import Context, Result, log
 from .frontends import Frontend
-from .measure import fmt_disk, idle_connections, prefill, run_fio
+from .measure import fill_file, fmt_disk, idle_connections, prefill, run_fio
 from .procs import StartError
 from .servers import SERVERS, Server
 
@@ -136,9 +137,33 @@ class ServerPool:
                 res = run_fio(self.ctx, job, srv, self.transport, rnd)
         return res
 
+    def retire(self, name: str) -> None:
+        """Stops server NAME; a later launch starts it afresh."""
+        srv = self.running.pop(name, None)
+        if srv is not None:
+            srv.stop()
+
     def stop(self) -> None:
         for srv in self.running.values():
             srv.stop()
+
+
+@contextlib.contextmanager
+def tmpfs_resident(ctx: Context, pool: ServerPool, names: list[str]):
+    """The tmpfs job's file and its servers (nbdkit-memory's RAM disk) exist only while the
+    job runs. Held through the whole run, their 4 GiB of memory lowered the kernel's dirty
+    background threshold (10% of the memory it may dirty) below the 2 GiB of the page-cache
+    servers' sw1m-qd8 writes, which then ran with writeback, unlike the same job run on its
+    own (bench/PROFILE.md, "Two regimes: with and without writeback")."""
+    fill_file(ctx.tmpfs_file, ctx.tmpfs_size, "tmpfs file")
+    try:
+        for name in names:
+            pool.launch(name)
+        yield
+    finally:
+        for name in names:
+            pool.retire(name)
+        ctx.tmpfs_file.unlink(missing_ok=True)
 
 
 def run_transport(ctx: Context, transport: str, jobs: list[Job], servers: list[str],
@@ -149,9 +174,7 @@ def run_transport(ctx: Context, transport: str, jobs: list[Job], servers: list[s
     if not with_fuse:
         servers = [s for s in servers if s != "shareblk-fuse"]
     file_jobs = [j for j in jobs if not j.memory and not j.tmpfs]
-    tmpfs_jobs = [j for j in jobs if j.tmpfs]
-    needed = [s for s in servers if s != "local" and (
-        (SERVERS[s][0] != "tmpfs" and file_jobs) or (SERVERS[s][0] == "tmpfs" and tmpfs_jobs))]
+    needed = [s for s in servers if s != "local" and SERVERS[s][0] != "tmpfs" and file_jobs]
 
     def started(name: str, srv: Server) -> None:
         if name == "nbdkit-memory":
@@ -173,13 +196,14 @@ def run_transport(ctx: Context, transport: str, jobs: list[Job], servers: list[s
                 k = (i + rnd) % max(len(order), 1)
                 order = order[k:] + order[:k]
                 log(f"  {job.name} ({job.title}), round {rnd + 1}/{ctx.args.rounds}")
-                for name in order:
-                    if name == "local":
-                        record(ctx, run_fio(ctx, job, "local", transport, rnd))
-                        continue
-                    res = pool.run(name, job, rnd)
-                    if res is not None:
-                        record(ctx, res)
+                with tmpfs_resident(ctx, pool, order) if job.tmpfs else contextlib.nullcontext():
+                    for name in order:
+                        if name == "local":
+                            record(ctx, run_fio(ctx, job, "local", transport, rnd))
+                            continue
+                        res = pool.run(name, job, rnd)
+                        if res is not None:
+                            record(ctx, res)
         if any(j.memory for j in jobs) and "shareblkd" in servers:
             log("  idle256: 256 idle connections to a fresh shareblkd")
             res = idle_connections(ctx, transport)

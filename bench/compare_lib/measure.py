@@ -32,7 +32,7 @@ CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 def fill_file(path: Path, size: int, what: str) -> None:
     """Writes SIZE bytes of random data (preallocated, no holes) to PATH."""
-    log(f"creating {what} {path} ({human_size(size)} of random data, once)")
+    log(f"creating {what} {path} ({human_size(size)} of random data)")
     chunk = 4 * MIB
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:

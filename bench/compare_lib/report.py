@@ -367,7 +367,8 @@ def machine_header(ctx: Context, argv: list[str], servers: list[str], started: d
         f"{tool_version(['qemu-nbd', '--version'])}; "
         f"{tool_version(['nbd-server', '-V'])}",
         f"- Backing file: `{ctx.backing}`, {human_size(ctx.size)} of random data (no holes), "
-        f"on {fstype}; tmpfs file {human_size(ctx.tmpfs_size)} in /dev/shm",
+        f"on {fstype}; tmpfs file {human_size(ctx.tmpfs_size)} in /dev/shm, which with the "
+        "tmpfs servers exists only while the tmpfs job runs",
         f"- fio: {a.runtime} s per job, time based, {a.rounds} round(s)"
         + (" (median by IOPS)" if a.rounds > 1 else "")
         + "; page cache dropped before every fio run"
