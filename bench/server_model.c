@@ -5,7 +5,7 @@
 // the two waits any server that does not spin pays (the request, then the disk) and the three
 // system calls it cannot do without. Its CPU per I/O at QD1 is a floor for shareblkd's.
 //
-//   cc -O2 -o /tmp/server_model bench/server_model.c
+//   cc -O2 -pthread -o /tmp/server_model bench/server_model.c
 //   /tmp/server_model [-b] [-n] [-e] FILE SOCKET|tcp:PORT
 //   fio --ioengine=nbd --uri='nbd+unix:///?socket=SOCKET' --rw=randread --bs=4k --iodepth=1 ...
 //
@@ -17,22 +17,22 @@
 //
 // It serves connections one after another until killed. -e serves them all at once instead,
 // the way a server of many initiators must: one thread waits in epoll for any connection's
-// requests and answers each as above, while another takes new connections through their
-// handshakes. No connection may then block it on a short request, so the client must send
-// whole 28-byte requests; fio's nbd engine (libnbd) does. bench/initiators --model runs it so,
-// as the ceiling of any server of many initiators on this machine (bench/PROFILE.md, "64
-// initiators against one").
+// requests and answers each as above (a request that came in part waits for the rest in its
+// connection's buffer), while another takes new connections through their handshakes. Replies
+// are sent blocking, as above. bench/initiators --model runs it so: what going from one
+// initiator to 64 costs a server with nothing in it (bench/PROFILE.md, "64 initiators against
+// one").
 //
 // Not a server for anything but this measurement: it trusts the client (lengths are capped,
 // nothing else is checked).
 #define _GNU_SOURCE
 #include <arpa/inet.h>
-#include <errno.h>
-#include <pthread.h>
 #include <endian.h>
+#include <errno.h>
 #include <fcntl.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -262,7 +262,10 @@ int main(int argc, char** argv) {
   }
   const int tcp = strncmp(where, "tcp:", 4) == 0;
   if (many) {
-    struct many m = {.epoll = epoll_create1(0), .listener = listener, .tcp = tcp, .file = file,
+    struct many m = {.epoll = epoll_create1(0),
+                     .listener = listener,
+                     .tcp = tcp,
+                     .file = file,
                      .size = (uint64_t)st.st_size};
     serve_many(&m, buf);
   }
