@@ -146,6 +146,19 @@ static void serve(int fd, int file, char* buf) {
   }
 }
 
+// The next client, through its handshake: its socket in transmission, or -1.
+static int accept_client(int listener, int tcp, uint64_t size) {
+  int fd = accept(listener, NULL, NULL);
+  if (fd < 0) return -1;
+  if (tcp) {
+    int one = 1;
+    setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+  }
+  if (handshake(fd, size) == 0) return fd;
+  close(fd);
+  return -1;
+}
+
 // -e: every connection's requests, from one thread. A connection's socket stays blocking, so
 // that a reply waits for room as in serve(); only receives are asked not to wait.
 struct conn {
@@ -162,15 +175,10 @@ struct many {
 static void* accept_loop(void* arg) {
   struct many* m = arg;
   for (;;) {
-    int fd = accept(m->listener, NULL, NULL);
+    int fd = accept_client(m->listener, m->tcp, m->size);
     if (fd < 0) continue;
-    if (m->tcp) {
-      int one = 1;
-      setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
-    }
     struct conn* c = calloc(1, sizeof *c);
-    if (c == NULL || handshake(fd, m->size) != 0) {
-      free(c);
+    if (c == NULL) {
       close(fd);
       continue;
     }
@@ -270,13 +278,9 @@ int main(int argc, char** argv) {
     serve_many(&m, buf);
   }
   for (;;) {
-    int fd = accept(listener, NULL, NULL);
+    int fd = accept_client(listener, tcp, (uint64_t)st.st_size);
     if (fd < 0) continue;
-    if (tcp) {
-      int one = 1;
-      setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
-    }
-    if (handshake(fd, (uint64_t)st.st_size) == 0) serve(fd, file, buf);
+    serve(fd, file, buf);
     close(fd);
   }
 }
