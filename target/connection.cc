@@ -150,6 +150,9 @@ void Connection::start() {
 
 void Connection::drain() {
   reading_ = false;
+  // Requests waiting for their QoS turn end here, never run: that turn may be minutes away,
+  // and nobody is to wait for it, neither this close nor the others sharing the limits.
+  qos_drop();
   ::shutdown(fd_, SHUT_RD);  // completes a pending receive with end-of-file
   maybe_close();
 }
@@ -246,6 +249,7 @@ void Connection::on_recv(int res) {
     }
     reading_ = false;
     drop_partial_request();
+    qos_drop();  // the client is gone: nobody takes their replies
     maybe_close();
     return;
   }
@@ -375,6 +379,9 @@ bool Connection::begin_request(const nbd::Request& h) {
   r->buf_index = -1;
   r->payload_size = 0;
   r->next = nullptr;
+  // Requests are reused: one dropped while it held a QoS turn (qos_drop) must not hand that
+  // turn, and its wait, to the next request of any connection on this worker.
+  r->qos_charged = false;
   // Over TCP the client, not this worker, is the slower side of a large write (ring.cc).
   r->copy_writes_beside = !tcp_;
   ++inflight_;
@@ -520,6 +527,12 @@ void Connection::qos_drop() {
   while (qos_head_ != nullptr) {
     Request* r = qos_head_;
     qos_head_ = r->next;
+    // What it took from the buckets goes back: the requests that ask next do not wait for
+    // the turn of one that will never run.
+    if (r->qos_charged) {
+      const QosCost cost = qos_cost(r->type, r->length);
+      qos_.refund(cost.dir, cost.bytes);
+    }
     release(r);
   }
   qos_tail_ = nullptr;

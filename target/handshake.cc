@@ -48,8 +48,13 @@ class Reader {
 
 class Negotiation {
  public:
-  Negotiation(ByteStream& stream, ExportCatalog& catalog, Peer peer, TlsUpgrade* tls)
-      : stream_(&stream), catalog_(catalog), peer_(std::move(peer)), tls_(tls) {}
+  Negotiation(ByteStream& stream, ExportCatalog& catalog, Peer peer, TlsUpgrade* tls,
+              HandshakeProgress* progress)
+      : stream_(&stream),
+        catalog_(catalog),
+        peer_(std::move(peer)),
+        tls_(tls),
+        progress_(progress) {}
 
   std::optional<Session> run();
 
@@ -69,11 +74,15 @@ class Negotiation {
   }
   std::optional<Export> lookup(uint32_t option, const std::string& name);
   bool flush();
+  void progressed() {
+    if (progress_ != nullptr) progress_->progressed();
+  }
 
   ByteStream* stream_;  // the TLS session's stream after NBD_OPT_STARTTLS
   ExportCatalog& catalog_;
   Peer peer_;
   TlsUpgrade* tls_;
+  HandshakeProgress* progress_;
   std::string out_;  // replies are gathered and written before the next read
   bool no_zeroes_ = false;
   Session session_;
@@ -119,6 +128,7 @@ std::optional<Session> Negotiation::run() {
   const uint32_t client_flags = get32(flags_bytes);
   if (client_flags & ~kClientKnownFlags) return std::nullopt;  // MUST close on unknown flags
   no_zeroes_ = (client_flags & kClientNoZeroes) != 0;
+  progressed();
 
   for (int i = 0; i < kMaxOptions; ++i) {
     uint8_t header[kOptionHeaderSize];
@@ -129,6 +139,7 @@ std::optional<Session> Negotiation::run() {
     if (length > kMaxOptionLength) return std::nullopt;  // no real option is this large
     std::vector<uint8_t> data(length);
     if (length > 0 && !stream_->read_exact(data.data(), length)) return std::nullopt;
+    progressed();
     switch (handle(option, data)) {
       case Next::Continue:
         break;
@@ -345,8 +356,8 @@ uint16_t transmission_flags(const Export& exp, bool structured_replies) {
 }
 
 std::optional<Session> negotiate(ByteStream& stream, ExportCatalog& catalog, const Peer& peer,
-                                 TlsUpgrade* tls) {
-  return Negotiation(stream, catalog, peer, tls).run();
+                                 TlsUpgrade* tls, HandshakeProgress* progress) {
+  return Negotiation(stream, catalog, peer, tls, progress).run();
 }
 
 }  // namespace shareblk::target

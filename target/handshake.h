@@ -49,14 +49,27 @@ class TlsUpgrade {
   ~TlsUpgrade() = default;
 };
 
+// Told each time the client has sent a whole message: its flags, then each option with its
+// payload (whether in the clear or over TLS). The server's handshake table uses it to tell a
+// client that negotiates from one that holds a place and says nothing (docs/nbd.md,
+// "Handshake limits").
+class HandshakeProgress {
+ public:
+  virtual void progressed() = 0;
+
+ protected:
+  ~HandshakeProgress() = default;
+};
+
 // The transmission flags an export gets: only what is true of it (proto.md
 // "Transmission flags"). DF needs structured replies.
 uint16_t transmission_flags(const Export& exp, bool structured_replies);
 
 // Runs the server side of the handshake. Returns the session on NBD_OPT_GO or
 // NBD_OPT_EXPORT_NAME, nothing when the client aborted, disconnected, or broke the protocol.
-// Without `tls` the server is NOTLS: NBD_OPT_STARTTLS gets NBD_REP_ERR_UNSUP.
+// Without `tls` the server is NOTLS: NBD_OPT_STARTTLS gets NBD_REP_ERR_UNSUP. `progress`, when
+// given, is told of each whole message the client sends.
 std::optional<Session> negotiate(ByteStream& stream, ExportCatalog& catalog, const Peer& peer,
-                                 TlsUpgrade* tls = nullptr);
+                                 TlsUpgrade* tls = nullptr, HandshakeProgress* progress = nullptr);
 
 }  // namespace shareblk::target

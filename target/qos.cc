@@ -81,6 +81,14 @@ struct QosLimiter::Impl {
       if (buckets[k].rate > 0) buckets[k].level -= cost;
     });
   }
+
+  void give_back(Dir dir, uint64_t bytes, std::chrono::steady_clock::time_point now) {
+    refill(now);
+    for_each_cost(dir, bytes, [&](QosSpec::Key k, double cost) {
+      Bucket& b = buckets[k];
+      if (b.rate > 0) b.level = std::min(b.capacity, b.level + cost);
+    });
+  }
 };
 
 QosLimiter::QosLimiter() : impl_(std::make_unique<Impl>()) {}
@@ -174,6 +182,21 @@ std::chrono::nanoseconds QosLimiter::admit(Dir dir, uint64_t bytes,
   own.charge(dir, bytes);
   if (parent != nullptr) parent->charge(dir, bytes);
   return wait;
+}
+
+void QosLimiter::refund(Dir dir, uint64_t bytes) {
+  if (dir == Dir::None) return;
+  const auto now = std::chrono::steady_clock::now();
+  Impl& own = *impl_;
+  Impl* parent = own.parent ? own.parent->impl_.get() : nullptr;
+  if (parent != nullptr && !parent->limits.load(std::memory_order_relaxed)) parent = nullptr;
+  // The locks in admit()'s order.
+  std::lock_guard lock(own.mutex);
+  own.give_back(dir, bytes, now);
+  if (parent != nullptr) {
+    std::lock_guard parent_lock(parent->mutex);
+    parent->give_back(dir, bytes, now);
+  }
 }
 
 }  // namespace shareblk::target

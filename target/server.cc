@@ -13,6 +13,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <climits>
 #include <condition_variable>
@@ -114,9 +115,23 @@ struct Server::Impl final : ConnectionRegistry {
   bool stopping = false;
   size_t next_worker = 0;
   size_t open_connections = 0;  // handshaking + transmitting, for max_connections
-  size_t handshakes = 0;
-  std::unordered_set<int> handshake_fds;
-  std::unordered_map<std::string, size_t> handshakes_by_peer;  // see peer_key()
+  size_t handshakes = 0;        // handshake threads running, evicted ones too: stop() waits
+  // A place in a handshake table: Unix and TCP have one each, of max_handshakes places, so
+  // that neither kind of client can take the other's. A handshake leaves its table when its
+  // negotiation ends, or when a newcomer finds the table full and it is the stalest
+  // (evict_stalest).
+  struct HandshakePlace {
+    int fd = -1;
+    bool tcp = false;
+    std::string key;          // peer_key()
+    bool progressed = false;  // the client has sent a whole message (HandshakeProgress)
+    std::chrono::steady_clock::time_point last;  // accepted, or its last whole message
+  };
+  std::unordered_map<uint64_t, HandshakePlace> places;  // by handshake id
+  uint64_t last_place = 0;
+  std::array<size_t, 2> places_taken{};  // [tcp]
+  std::array<size_t, 2> evicted{};       // [tcp]: handshakes evicted whose thread still runs
+  std::unordered_map<std::string, size_t> handshakes_by_peer;  // places taken, by peer_key()
   RateLimitedLog refusals;
   // group -> the serials of its transmitting connections
   std::unordered_map<std::string, std::set<uint64_t>> live;
@@ -129,7 +144,16 @@ struct Server::Impl final : ConnectionRegistry {
   std::shared_ptr<TlsContext> tls;  // null: NOTLS; reload_tls() replaces it
 
   void accept_loop(Listener& listener);
-  void handshake(int fd, bool tcp, const std::string& key);
+  void handshake(int fd, bool tcp, uint64_t id);
+  // Under the lock, with `tcp`'s table full: shuts down the stalest handshake and frees its
+  // place; `peer` says whose it was. The stalest: one whose client never sent a whole message
+  // before one that did; of those, one of the peer holding the most places; then the one
+  // that has gone longest without progress. False when there is none, or when the evicted
+  // ones whose threads still run fill a table already (threads stay bounded).
+  bool evict_stalest(bool tcp, std::string& peer);
+  // Under the lock: frees handshake `id`'s place. False when it was evicted: its socket is
+  // shut down, and it is not to be served.
+  bool leave_table(uint64_t id, bool tcp);
   // Waits until the group has no connection older than `serial`, draining them (then, past
   // the grace period, cutting them off). Called without the lock.
   void supersede(const std::string& group, uint64_t serial);
@@ -164,17 +188,19 @@ void Server::Impl::accept_loop(Listener& listener) {
       }
       return;  // stopping (ECANCELED), or the listener failed
     }
-    const std::string key = peer_key(fd, listener.tcp);
+    const bool tcp = listener.tcp;
+    std::string key = peer_key(fd, tcp);
     std::unique_lock lock(mutex);
     const char* refusal = nullptr;
+    std::string evicted_peer;
     if (stopping) {
       refusal = "shutting down";
     } else if (open_connections >= options.max_connections) {
       refusal = "too many connections (--max-connections)";
-    } else if (handshakes >= options.max_handshakes) {
-      refusal = "too many connections in their handshake (--max-handshakes)";
     } else if (handshakes_by_peer[key] >= options.max_handshakes_per_peer) {
       refusal = "too many handshakes from one peer (--max-handshakes-per-peer)";
+    } else if (places_taken[tcp] >= options.max_handshakes && !evict_stalest(tcp, evicted_peer)) {
+      refusal = "too many connections in their handshake (--max-handshakes)";
     }
     if (refusal != nullptr) {
       if (handshakes_by_peer[key] == 0) handshakes_by_peer.erase(key);
@@ -183,10 +209,11 @@ void Server::Impl::accept_loop(Listener& listener) {
       ::close(fd);
       continue;
     }
-    // Started under the lock, which the handshake takes only at its end: the connection is
-    // counted before that, and only once its thread exists.
+    // Started under the lock, which the handshake takes only later: the connection is counted
+    // before that, and only once its thread exists.
+    const uint64_t id = ++last_place;
     try {
-      std::thread([this, fd, tcp = listener.tcp, key] { handshake(fd, tcp, key); }).detach();
+      std::thread([this, fd, tcp, id] { handshake(fd, tcp, id); }).detach();
     } catch (const std::system_error& e) {  // out of threads (pids limit, memory)
       if (handshakes_by_peer[key] == 0) handshakes_by_peer.erase(key);
       lock.unlock();
@@ -197,11 +224,77 @@ void Server::Impl::accept_loop(Listener& listener) {
     ++handshakes_by_peer[key];
     ++open_connections;
     ++handshakes;
-    handshake_fds.insert(fd);
+    ++places_taken[tcp];
+    places.emplace(
+        id, HandshakePlace{fd, tcp, std::move(key), false, std::chrono::steady_clock::now()});
+    lock.unlock();
+    if (!evicted_peer.empty()) {
+      refusals.warn_line("handshake table full",
+                         fmt::format("nbd: the {} handshake table is full (--max-handshakes): "
+                                     "closed the stalest handshake, of {}, to let a new "
+                                     "connection in",
+                                     tcp ? "TCP" : "Unix", evicted_peer));
+    }
   }
 }
 
-void Server::Impl::handshake(int fd, bool tcp, const std::string& key) {
+bool Server::Impl::evict_stalest(bool tcp, std::string& peer) {
+  if (evicted[tcp] >= options.max_handshakes) return false;
+  // A client of a peer with few places is not the one to go while others hold many.
+  struct Rank {
+    bool progressed;
+    size_t peer_places;
+    std::chrono::steady_clock::time_point last;
+    bool staler_than(const Rank& o) const {
+      if (progressed != o.progressed) return !progressed;
+      if (peer_places != o.peer_places) return peer_places > o.peer_places;
+      return last < o.last;
+    }
+  };
+  auto stalest = places.end();
+  Rank worst{};
+  for (auto it = places.begin(); it != places.end(); ++it) {
+    const HandshakePlace& p = it->second;
+    if (p.tcp != tcp) continue;
+    const auto by_peer = handshakes_by_peer.find(p.key);
+    const Rank rank{p.progressed, by_peer == handshakes_by_peer.end() ? 0 : by_peer->second,
+                    p.last};
+    if (stalest == places.end() || rank.staler_than(worst)) {
+      stalest = it;
+      worst = rank;
+    }
+  }
+  if (stalest == places.end()) return false;
+  // Its thread sees the socket end, fails its negotiation and closes it; leave_table() tells
+  // it that its place is gone.
+  ::shutdown(stalest->second.fd, SHUT_RDWR);
+  peer = stalest->second.key;
+  if (auto by_peer = handshakes_by_peer.find(peer);
+      by_peer != handshakes_by_peer.end() && --by_peer->second == 0) {
+    handshakes_by_peer.erase(by_peer);
+  }
+  places.erase(stalest);
+  --places_taken[tcp];
+  ++evicted[tcp];
+  return true;
+}
+
+bool Server::Impl::leave_table(uint64_t id, bool tcp) {
+  auto it = places.find(id);
+  if (it == places.end()) {
+    --evicted[tcp];
+    return false;
+  }
+  if (auto by_peer = handshakes_by_peer.find(it->second.key);
+      by_peer != handshakes_by_peer.end() && --by_peer->second == 0) {
+    handshakes_by_peer.erase(by_peer);
+  }
+  places.erase(it);
+  --places_taken[tcp];
+  return true;
+}
+
+void Server::Impl::handshake(int fd, bool tcp, uint64_t id) {
   if (tcp) {
     int one = 1;
     ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
@@ -217,13 +310,28 @@ void Server::Impl::handshake(int fd, bool tcp, const std::string& key) {
   }
   if (credentials) secure = std::make_unique<TlsConnection>(std::move(credentials), fd, deadline);
   const Peer peer = peer_of(fd, tcp);
-  std::optional<Session> session = negotiate(stream, *catalog, peer, secure.get());
-  if (session) {
+  // Each whole message of the client's keeps its place from being the stalest.
+  struct Progress final : HandshakeProgress {
+    Progress(Impl& server, uint64_t handshake) : s(server), id(handshake) {}
+    void progressed() override {
+      std::lock_guard lock(s.mutex);
+      if (auto it = s.places.find(id); it != s.places.end()) {
+        it->second.progressed = true;
+        it->second.last = std::chrono::steady_clock::now();
+      }
+    }
+    Impl& s;
+    uint64_t id;
+  } progress(*this, id);
+  std::optional<Session> session = negotiate(stream, *catalog, peer, secure.get(), &progress);
+  {
+    std::lock_guard lock(mutex);
+    // Evicted: its socket was shut down, whatever the negotiation got to.
+    if (!leave_table(id, tcp)) session.reset();
     // Its place among the group's connections, taken as soon as the client has its answer
     // (before it goes to a worker): a client can have used this connection and given up on
     // it only after this, so a connection it opened later always has a higher serial.
-    std::lock_guard lock(mutex);
-    session->serial = ++last_serial[session->exp.group];
+    if (session) session->serial = ++last_serial[session->exp.group];
   }
   if (secure && !secure->failure().empty()) {
     refusals.warn("TLS handshake failed: " + secure->failure(), describe(peer));
@@ -238,12 +346,7 @@ void Server::Impl::handshake(int fd, bool tcp, const std::string& key) {
 
   {
     std::unique_lock lock(mutex);
-    handshake_fds.erase(fd);
     --handshakes;
-    if (auto it = handshakes_by_peer.find(key);
-        it != handshakes_by_peer.end() && --it->second == 0) {
-      handshakes_by_peer.erase(it);
-    }
     auto refuse = [&] {  // under the lock
       --open_connections;
       secure.reset();
@@ -403,7 +506,7 @@ void Server::stop() {
   s.stop_event = -1;
   {
     std::unique_lock lock(s.mutex);
-    for (int fd : s.handshake_fds) ::shutdown(fd, SHUT_RDWR);
+    for (const auto& [id, place] : s.places) ::shutdown(place.fd, SHUT_RDWR);
     s.changed.wait(lock, [&] { return s.handshakes == 0; });
   }
   for (auto& w : s.workers) w->stop();

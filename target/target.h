@@ -143,6 +143,10 @@ class QosLimiter {
   // and returns how long after `now` its turn comes (zero: it may start now).
   std::chrono::nanoseconds admit(Dir dir, uint64_t bytes,
                                  std::chrono::steady_clock::time_point now);
+  // Gives back what admit() took for a request that will never run (its connection ended
+  // while it waited): the requests that ask after this are not held back by a dead one's
+  // debt. Buckets are not filled past their burst. Requests already waiting keep their turns.
+  void refund(Dir dir, uint64_t bytes);
   // Changes with every set() of this limiter or its parent: a request whose turn was given
   // under other limits need not wait for it (a raised or removed limit reaches it at once).
   uint64_t generation() const { return generation_.load(std::memory_order_relaxed); }
@@ -254,9 +258,13 @@ struct ServerOptions {
   std::vector<int> listen_fds;
   unsigned workers = 0;             // io_uring threads; 0 = one per CPU
   unsigned max_connections = 1024;  // beyond this, new connections are closed at once
-  // Connections still in their handshake, at most, and at most per peer (a TCP address, or a
-  // Unix uid): clients that connect and never negotiate cannot hold every place, and one host
-  // cannot hold every handshake. Past either, a new connection is closed at once.
+  // Connections still in their handshake, at most, over TCP and over Unix sockets each (two
+  // tables: neither kind of client can take the other's places), and at most per peer (a TCP
+  // address, or a Unix uid). Past the per-peer limit a new connection is closed at once; in a
+  // full table it takes the place of the stalest handshake, which is closed: one whose client
+  // sent no whole message (its flags, an option) before one that did, of the peer holding the
+  // most places, then the one that went longest without progress. So clients that connect and
+  // say nothing, from however many hosts, cannot keep a negotiating one out.
   unsigned max_handshakes = 128;
   unsigned max_handshakes_per_peer = 16;
   std::chrono::milliseconds handshake_timeout{10000};

@@ -156,7 +156,8 @@ class Connection {
   Connection& operator=(const Connection&) = delete;
 
   void start();
-  // Stop reading; requests already received are answered, then the connection closes.
+  // Stop reading; requests already received are answered, then the connection closes. Those
+  // still waiting for their QoS turn are dropped unanswered, never run (qos_drop).
   void drain();
   // Cut the connection off now (requests in flight still complete inside the server).
   void abort();
@@ -229,7 +230,9 @@ class Connection {
   // order, and sets the worker's timer for the first that may not.
   void qos_hold(Request* r);
   void qos_start_ready();
-  void qos_drop();  // a broken connection's held requests are released unanswered
+  // A closing connection's held requests are released unanswered, and what QoS took for
+  // them goes back to the limiter (QosLimiter::refund).
+  void qos_drop();
   void encode_reply(Request* r, int err);
   void queue_reply(Request* r);
   void send_more();
