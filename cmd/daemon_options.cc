@@ -87,7 +87,18 @@ po::options_description daemon_options() {
     ("control-socket-mode", po::value<std::string>()->default_value("0600"),
      "mode of the control socket (octal)")
     ("control-socket-group", po::value<std::string>(),
-     "group of the control socket, a name or a number (default: the daemon's)")
+     "group of the control socket, a name or a number (default: the daemon's); its members may "
+     "call every method")
+    ("control-readonly-group", po::value<std::string>(),
+     "members of this group may call the methods that only look (lists, shows, stats), and see "
+     "no connection_info; the control socket is then opened to every local user and callers are "
+     "told apart by their credentials")
+    ("fuse-mount-root", po::value<std::string>()->default_value("/run/shareblk/mounts"),
+     "FUSE attachments mount only on directories strictly below this one")
+    ("user", po::value<std::string>(),
+     "once its sockets are bound and its state open, run as USER (a name or a uid), not root")
+    ("group", po::value<std::string>(),
+     "with --user: run with group GROUP (default: the user's primary group)")
     ("nbd-allow-root", po::value<bool>()->default_value(false)->implicit_value(true),
      "a unix attachment whose connector binds a uid admits root too (reloaded on SIGHUP)")
     ("advertise-address", po::value<std::string>(),
@@ -110,7 +121,8 @@ po::options_description daemon_options() {
     ("handshake-timeout-ms", whole<Milliseconds>(ms(defaults.handshake_timeout)),
      "milliseconds a client has for its whole handshake")
     ("max-handshakes", whole<Count>(defaults.max_handshakes),
-     "connections in their handshake at most (fewer than --max-connections)")
+     "connections in their handshake at most, over TCP and over Unix sockets each (fewer than "
+     "--max-connections); a newcomer to a full table evicts the stalest")
     ("max-handshakes-per-peer", whole<Count>(defaults.max_handshakes_per_peer),
      "connections in their handshake at most from one TCP address or one local uid")
     ("send-timeout-ms", whole<Milliseconds>(ms(defaults.send_timeout)),
@@ -172,6 +184,10 @@ bool load_options(int argc, char** argv, po::variables_map& vm, std::vector<std:
     if (vm[r.name].defaulted()) {
       vm.at(r.name) = po::variable_value(boost::any(vm[r.old_name].as<bool>()), false);
     }
+  }
+  if (vm.count("group") && !vm.count("user")) {
+    error = "--group needs --user (the daemon changes both or neither)";
+    return false;
   }
   static const std::set<std::string> kLevels = {"trace", "debug",    "info", "warn",
                                                 "error", "critical", "off"};

@@ -19,11 +19,14 @@
 #include <filesystem>
 #include <iostream>
 #include <map>
+#include <optional>
 
 #include "backend/backend.h"
 #include "cmd/daemon_log.h"
 #include "cmd/daemon_options.h"
 #include "cmd/json_log.h"
+#include "cmd/open_files.h"
+#include "cmd/privileges.h"
 #include "cmd/systemd.h"
 #include "control/control.h"
 #include "lvm/volume_store.h"
@@ -86,6 +89,24 @@ sigset_t block_signals() {
   return set;
 }
 
+// The group the option names, by name or number; false with a message when there is none.
+bool parse_group(const po::variables_map& vm, const std::string& option, gid_t& gid,
+                 std::string& error) {
+  const std::string name = vm[option].as<std::string>();
+  if (const struct group* g = ::getgrnam(name.c_str())) {
+    gid = g->gr_gid;
+    return true;
+  }
+  char* end = nullptr;
+  const unsigned long number = std::strtoul(name.c_str(), &end, 10);
+  if (name.empty() || *end != '\0' || number >= static_cast<unsigned long>(UINT32_MAX)) {
+    error = "--" + option + ": no group '" + name + "'";
+    return false;
+  }
+  gid = static_cast<gid_t>(number);
+  return true;
+}
+
 // "--NAME-mode" and "--NAME-group" as a SocketAccess, or a message saying what is wrong.
 bool parse_socket_access(const po::variables_map& vm, const std::string& name,
                          target::SocketAccess& out, std::string& error) {
@@ -99,17 +120,23 @@ bool parse_socket_access(const po::variables_map& vm, const std::string& name,
   }
   out.mode = static_cast<mode_t>(bits);
   if (vm.count(name + "-group") == 0) return true;
-  const std::string group_name = vm[name + "-group"].as<std::string>();
-  if (const struct group* g = ::getgrnam(group_name.c_str())) {
-    out.group = g->gr_gid;
-    return true;
-  }
-  const unsigned long gid = std::strtoul(group_name.c_str(), &end, 10);
-  if (group_name.empty() || *end != '\0' || gid >= static_cast<unsigned long>(UINT32_MAX)) {
-    error = "--" + name + "-group: no group '" + group_name + "'";
-    return false;
-  }
-  out.group = static_cast<gid_t>(gid);
+  gid_t gid = 0;
+  if (!parse_group(vm, name + "-group", gid, error)) return false;
+  out.group = gid;
+  return true;
+}
+
+// Who may call what on the control socket (control::Roles). A read-only group needs the socket
+// open to every local user, since a socket file has one group: callers are then told apart by
+// the credentials the kernel gives for each connection.
+bool parse_roles(const po::variables_map& vm, target::SocketAccess& access, control::Roles& roles,
+                 std::string& error) {
+  roles.admin_group = access.group;
+  if (vm.count("control-readonly-group") == 0) return true;
+  gid_t gid = 0;
+  if (!parse_group(vm, "control-readonly-group", gid, error)) return false;
+  roles.read_group = gid;
+  access.mode |= 0666;
   return true;
 }
 
@@ -151,6 +178,7 @@ control::Policy policy_from(const po::variables_map& vm, const target::TlsOption
   policy.nbd_allow_root = vm["nbd-allow-root"].as<bool>();
   policy.tls = tls.mode;
   policy.tls_x509 = !tls.x509_dir.empty();
+  policy.fuse_mount_root = vm["fuse-mount-root"].as<std::string>();
   return policy;
 }
 
@@ -238,6 +266,51 @@ int run(int argc, char** argv) {
   }
   const auto started = std::chrono::system_clock::now();
   for (const std::string& w : warnings) spdlog::warn("{}", w);
+  // --user: resolved now, dropped to once everything is bound and open (below).
+  std::optional<cmd::Identity> identity;
+  if (vm.count("user")) {
+    identity.emplace();
+    if (!cmd::resolve_identity(vm["user"].as<std::string>(),
+                               vm.count("group") ? vm["group"].as<std::string>() : "", *identity,
+                               error)) {
+      std::cerr << "shareblkd: " << error << "\n";
+      return 2;
+    }
+    if (::geteuid() != 0) {
+      if (identity->uid != ::geteuid() || identity->gid != ::getegid()) {
+        std::cerr << "shareblkd: --user " << identity->user << ": shareblkd runs as uid "
+                  << ::geteuid() << ", not root, and cannot change its user\n";
+        return 1;
+      }
+      identity.reset();  // already that user: nothing to drop
+    }
+  }
+  const bool lvm_store = !vm.count("export") && vm["store"].as<std::string>().starts_with("lvm:");
+  if (lvm_store && (identity || ::geteuid() != 0)) {
+    std::cerr << "shareblkd: --store lvm needs root until the privileged helper exists (lvm2's "
+                 "tools and the device-mapper): run shareblkd as root, without --user "
+                 "(docs/install.md, \"Hardening\")\n";
+    return 2;
+  }
+  if (!identity && ::geteuid() == 0) {
+    if (lvm_store) {
+      spdlog::info("running as root: the LVM store needs it");
+    } else {
+      spdlog::warn("running as root; --user USER drops privileges after binding");
+    }
+  }
+  // Every descriptor the hard limit allows; the metrics listener holds a bounded few of them
+  // (docs/metrics.md, "Bounds of the metrics endpoint"), the rest is for NBD, the control
+  // socket and volumes.
+  if (const cmd::OpenFilesLimit files = cmd::raise_open_files_limit(); files.error != 0) {
+    spdlog::warn("open files: cannot raise the soft limit ({}) to the hard one: {}", files.before,
+                 std::strerror(files.error));
+  } else if (files.now != files.before) {
+    spdlog::info("open files: at most {} (the hard limit; raised from {})", files.now,
+                 files.before);
+  } else {
+    spdlog::info("open files: at most {} (the hard limit)", files.now);
+  }
 
   target::ServerOptions options;
   if (vm.count("listen-unix"))
@@ -259,8 +332,10 @@ int run(int argc, char** argv) {
     return 2;
   }
   target::SocketAccess control_access;
+  control::Roles roles;
   if (!parse_socket_access(vm, "nbd-socket", options.unix_access, error) ||
-      !parse_socket_access(vm, "control-socket", control_access, error)) {
+      !parse_socket_access(vm, "control-socket", control_access, error) ||
+      !parse_roles(vm, control_access, roles, error)) {
     std::cerr << "shareblkd: " << error << "\n";
     return 2;
   }
@@ -432,8 +507,8 @@ int run(int argc, char** argv) {
     const unsigned max_clients = vm["max-control-connections"].as<cmd::Count>().value;
     if (!passed.control.empty()) control_socket = "passed by systemd";
     if (std::error_code ec = passed.control.empty()
-                                 ? plane->listen(control_socket, max_clients, control_access)
-                                 : plane->serve(passed.control.front(), max_clients)) {
+                                 ? plane->listen(control_socket, max_clients, control_access, roles)
+                                 : plane->serve(passed.control.front(), max_clients, roles)) {
       std::cerr << "shareblkd: control socket " << control_socket << ": " << ec.message() << "\n";
       return 1;
     }
@@ -457,6 +532,24 @@ int run(int argc, char** argv) {
       return ec == std::errc::invalid_argument ? 2 : 1;
     }
     spdlog::info("metrics on http://{}/metrics", bound);
+  }
+  if (identity) {
+    // Everything is bound and open: what the daemon made becomes the user's (it goes on
+    // writing there), then root goes. The configured sockets only: passed ones are systemd's.
+    bool given =
+        plane == nullptr || cmd::give_tree(vm["state-dir"].as<std::string>(), *identity, error);
+    for (const std::string& path : options.listen_unix) {
+      given = given && cmd::give_file(path, *identity, error);
+    }
+    if (given && plane && passed.control.empty()) {
+      given = cmd::give_file(control_socket, *identity, error);
+    }
+    if (!given || !cmd::drop_to(*identity, error)) {
+      std::cerr << "shareblkd: --user " << identity->user << ": " << error << "\n";
+      return 1;
+    }
+    spdlog::info("running as user {} (uid {}, gid {}), without capabilities", identity->user,
+                 identity->uid, identity->gid);
   }
 
   cmd::notify_ready(plane ? "serving; control socket " + control_socket : "serving exports");

@@ -84,6 +84,7 @@ class CrashTest : public ::testing::Test {
 class CrashPointTest : public CrashTest, public ::testing::WithParamInterface<const char*> {};
 
 TEST_P(CrashPointTest, ARestartLeavesEveryVolumeWithItsFileAndNoFileWithoutAVolume) {
+  SHAREBLK_REQUIRE_TEST_HOOKS();
   const std::string point = GetParam();
   const bool deleting = point.rfind("volume_delete", 0) == 0;
   start();

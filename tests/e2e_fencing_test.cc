@@ -366,6 +366,7 @@ TEST_F(FencingTest, TheWriterSurvivesAKill) {
 // is the writer again after the restart (the call never returned); after the record, the new
 // one. Either way exactly one of the two writes, from the restart on.
 TEST_F(FencingTest, AKillInTheMiddleOfATakeoverLeavesOneWriter) {
+  SHAREBLK_REQUIRE_TEST_HOOKS();
   for (const char* point : {"volume_takeover:fenced", "volume_takeover:recorded"}) {
     SCOPED_TRACE(point);
     const std::string vol = create_single("4M");

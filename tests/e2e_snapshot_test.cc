@@ -149,6 +149,7 @@ TEST_F(SnapshotTest, ASnapshotKeepsTheVolumeAsItWasAndNewVolumesCopyIt) {
 // past the copy's position. The snapshot must be exactly such a prefix, the writer must never
 // see an error, and it goes on once the snapshot is done.
 TEST_F(SnapshotTest, ASnapshotTakenUnderWritesIsAPointInTime) {
+  SHAREBLK_REQUIRE_TEST_HOOKS();
   ::setenv("SHAREBLK_TEST_JOB_PAUSE_MS", "10", 1);
   start();
   ::unsetenv("SHAREBLK_TEST_JOB_PAUSE_MS");
@@ -243,6 +244,7 @@ TEST_F(SnapshotTest, ASnapshotTakenUnderWritesIsAPointInTime) {
 }
 
 TEST_F(SnapshotTest, ASnapshotBeingCopiedCannotBeUsedOrDeletedAndACrashRollsItBack) {
+  SHAREBLK_REQUIRE_TEST_HOOKS();
   // Long enough for the calls below to find the copy still running on a slow machine: the
   // daemon is killed half way, so the pause costs the test nothing.
   ::setenv("SHAREBLK_TEST_JOB_PAUSE_MS", "5000", 1);

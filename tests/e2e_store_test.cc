@@ -134,6 +134,7 @@ TEST_F(StoreTest, ImagesThatCannotFillAVolumeAreRefusedWithTheirReason) {
 // While qemu-img fills it (slowed down by the test hook), the volume is "creating": it cannot
 // be attached, grown or deleted; other volumes are unaffected.
 TEST_F(StoreTest, AVolumeBeingFilledRefusesAttachmentsUntilItIsDone) {
+  SHAREBLK_REQUIRE_TEST_HOOKS();
   SHAREBLK_REQUIRE(have_program("qemu-img"), "qemu-img is not installed");
   const std::string raw = dir_ / "image.raw";
   { std::ofstream(raw, std::ios::binary) << pattern(kMiB, 3); }
@@ -158,6 +159,7 @@ TEST_F(StoreTest, AVolumeBeingFilledRefusesAttachmentsUntilItIsDone) {
 // A fill that a kill interrupts (here: once qemu-img is done, before the intent is dropped)
 // cannot be trusted: the next start rolls the volume back, file and row.
 TEST_F(StoreTest, AFillKilledHalfWayIsRolledBackByTheNextStart) {
+  SHAREBLK_REQUIRE_TEST_HOOKS();
   SHAREBLK_REQUIRE(have_program("qemu-img"), "qemu-img is not installed");
   const std::string raw = dir_ / "image.raw";
   { std::ofstream(raw, std::ios::binary) << pattern(kMiB, 4); }

@@ -154,6 +154,10 @@ bool wait_for_socket(const std::string& path, std::chrono::milliseconds timeout)
   return false;
 }
 
+bool daemon_has_test_hooks() {
+  return SHAREBLK_DAEMON_TEST_HOOKS != 0;
+}
+
 std::string Daemon::binary() {
   return SHAREBLKD_PATH;
 }

@@ -26,6 +26,12 @@ bool in_ci();
 
 bool have_program(const std::string& name);
 bool is_root();
+// Whether the daemon under test has its crash and pause points (SHAREBLK_TEST_HOOKS, set by
+// the presets; a plain build has none, as an installed daemon must not).
+bool daemon_has_test_hooks();
+#define SHAREBLK_REQUIRE_TEST_HOOKS()                            \
+  SHAREBLK_REQUIRE(::shareblk::testing::daemon_has_test_hooks(), \
+                   "the daemon was built without -DSHAREBLK_TEST_HOOKS=ON")
 
 // A fresh directory, removed with everything in it.
 class TempDir {

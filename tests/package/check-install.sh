@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # `cmake --install BUILD --prefix P` puts everything under P, with units naming P's paths, man
 # pages that render without a warning and programs that run (docs/install.md, "Install").
-# Usage: check-install.sh BUILD_DIR VERSION. Exit 77: a tool is missing (a skip, not under CI).
+# Usage: check-install.sh BUILD_DIR VERSION [TEST_HOOKS]: TEST_HOOKS is the build's
+# SHAREBLK_TEST_HOOKS (ON or OFF, default OFF). Exit 77: a tool is missing (a skip, not under CI).
 set -euo pipefail
-build=$1 version=$2
+build=$1 version=$2 hooks=${3:-OFF}
 skip() {
   if [ "${CI:-}" = true ]; then echo "required under CI: $1" >&2; exit 1; fi
   echo "skipped: $1"; exit 77
@@ -25,7 +26,8 @@ expected=$(printf '%s\n' bin/shareblk sbin/shareblkd "$plugin" \
   lib/systemd/system/shareblkd-nbd.socket etc/shareblk/shareblkd.conf \
   share/man/man1/shareblk.1 share/man/man8/shareblkd.8 \
   share/bash-completion/completions/shareblk share/bash-completion/completions/shareblkd \
-  share/doc/shareblk/install.md share/doc/shareblk/examples/fuse-local-attach.conf | sort)
+  share/doc/shareblk/install.md share/doc/shareblk/examples/fuse-local-attach.conf \
+  share/doc/shareblk/examples/lvm-store.conf lib/sysusers.d/shareblk.conf | sort)
 actual=$(cd "$p" && find . -type f -printf '%P\n' | sort)
 check "installed files: expected vs actual:
 $(diff <(echo "$expected") <(echo "$actual"))" test "$expected" = "$actual"
@@ -51,6 +53,12 @@ for page in "$p/share/man/man1/shareblk.1" "$p/share/man/man8/shareblkd.8"; do
   check "man -l $page renders without warnings: $warnings" test -z "$warnings"
   check "$page is rendered and names version $version" grep -q "shareblk $version" "$tmp/page.txt"
 done
+
+# The crash and pause points' variables are named in the daemon only when the build has them
+# (docs/install.md, "Install"): a plain build's daemon cannot obey them.
+if grep -qa SHAREBLK_TEST_KILL_AT "$p/sbin/shareblkd"; then named=ON; else named=OFF; fi
+check "the daemon names SHAREBLK_TEST_KILL_AT: $named, the build's SHAREBLK_TEST_HOOKS: $hooks" \
+  test "$named" = "$hooks"
 
 check "shareblkd --version" test "$("$p/sbin/shareblkd" --version)" = "shareblkd $version"
 check "shareblk --version" test "$("$p/bin/shareblk" --version)" = "shareblk $version"

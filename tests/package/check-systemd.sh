@@ -3,7 +3,8 @@
 # the host's own /usr (an overlay, so that dpkg can write) installs the package, and then
 # `systemctl start shareblkd` brings the daemon up (Type=notify: start returns once it is
 # READY), `shareblk volume-list` answers, the watchdog is fed, with the socket units the first
-# client starts it, and FUSE local attach reaches the host with the documented drop-in.
+# client starts it, the daemon runs as the user shareblk without capabilities, and FUSE local
+# attach reaches the host with the documented drop-in.
 # The container is started and stopped by pid in a temp dir, on a private network.
 # Usage: check-systemd.sh BUILD_DIR VERSION. Exit 77: no root or systemd-nspawn (not under CI).
 set -euo pipefail
@@ -64,6 +65,11 @@ systemctl is-enabled shareblkd.service; systemctl is-active shareblkd.service
 systemctl start shareblkd && echo "probe: started"
 systemctl show -p ActiveState -p SubState -p Type -p WatchdogUSec -p StatusText shareblkd
 shareblk volume-create v 1M && shareblk volume-list && echo "probe: volume-list answered"
+# The unit's user (made by postinst), with no capability, owns the state.
+pid=$(systemctl show -p MainPID --value shareblkd)
+echo "probe: daemon runs as $(ps -o user= -p "$pid") with CapEff $(sed -n 's/^CapEff:\t//p' "/proc/$pid/status")"
+echo "probe: state owned by $(stat -c %U /var/lib/shareblk /var/lib/shareblk/shareblk.db | sort -u)"
+echo "probe: user shareblk's shell $(getent passwd shareblk | cut -d: -f7)"
 shareblk --version
 # The watchdog: with WatchdogSec=1s the daemon lives on only if it sends WATCHDOG=1.
 mkdir -p /etc/systemd/system/shareblkd.service.d
@@ -77,15 +83,17 @@ systemctl start shareblkd.socket shareblkd-nbd.socket && echo "probe: sockets li
 systemctl is-active shareblkd
 shareblk volume-list | grep -q '^[0-9a-f]' && echo "probe: activated volume-list answered"
 echo "probe: after activation $(systemctl is-active shareblkd)"
-# FUSE local attach: the host sees an attachment's disk only with the FUSE drop-in.
-fuse_disk() { # NAME: a volume and a FUSE attachment at /mnt/NAME; does the host see its disk?
+# FUSE local attach: the host sees an attachment's disk only with the FUSE drop-in. Mountpoints
+# lie below --fuse-mount-root (its default).
+mounts=/run/shareblk/mounts
+fuse_disk() { # NAME: a volume and a FUSE attachment at $mounts/NAME; does the host see its disk?
   local v a
   v=$(shareblk --json volume-create "fuse-$1" 1M | sed -n 's/.*"id": *"\([^"]*\)".*/\1/p')
   a=$(shareblk --json attachment-create "$v" "i-$1" | sed -n 's/.*"id": *"\([^"]*\)".*/\1/p')
-  mkdir -p "/mnt/$1"
+  mkdir -p "$mounts/$1"
   shareblk call attachment_update "{\"attachment_id\": \"$a\", \"connector\": {\"host\": \"h\",
-    \"transport\": \"fuse\", \"mountpoint\": \"/mnt/$1\"}}" >/dev/null
-  test -e "/mnt/$1/disk" && echo yes || echo no
+    \"transport\": \"fuse\", \"mountpoint\": \"$mounts/$1\"}}" >/dev/null
+  test -e "$mounts/$1/disk" && echo yes || echo no
 }
 echo "probe: FUSE disk seen by the host, hardened unit: $(fuse_disk hardened)"
 mkdir -p /etc/systemd/system/shareblkd.service.d
@@ -114,6 +122,8 @@ log=$(cat "$tmp/shared/probe.log" 2>/dev/null || true)
 fail=0
 for line in "probe: installed" "probe: started" "ActiveState=active" "SubState=running" \
   "Type=notify" "WatchdogUSec=30s" "probe: volume-list answered" "shareblk $version" \
+  "probe: daemon runs as shareblk with CapEff 0000000000000000" \
+  "probe: state owned by shareblk" "probe: user shareblk's shell /usr/sbin/nologin" \
   "probe: watchdog 1s 0 active" \
   "probe: stopped (inactive)" "probe: sockets listening" "probe: activated volume-list answered" \
   "probe: after activation active" "probe: FUSE disk seen by the host, hardened unit: no" \
