@@ -11,7 +11,7 @@ namespace shareblk::control {
 // `reason` is one of: invalid_params, not_found, volume_in_use, not_multiattach,
 // attachment_id_required, duplicate_attachment, policy_denied, invalid_state, no_space,
 // volume_error, not_single_writer, already_writer, volume_busy, volume_has_snapshots,
-// not_supported, internal.
+// not_supported, forbidden, internal.
 struct ApiError : std::runtime_error {
   ApiError(std::string why, const std::string& message)
       : std::runtime_error(message), reason(std::move(why)) {}

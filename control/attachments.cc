@@ -6,6 +6,7 @@
 #include <map>
 
 #include "control/service.h"
+#include "fuse/local_attach.h"
 
 namespace shareblk::control {
 
@@ -65,6 +66,13 @@ void Service::refuse_taken_mountpoint(Database::Transaction& tx, const Attachmen
       invalid(why);
     }
   }
+  // Then where it may go at all: below the mount root, or `forbidden` (docs/security.md).
+  std::string resolved;
+  std::string refusal;
+  if (const int err =
+          fuse::resolve_below(mountpoint, policy().fuse_mount_root, resolved, refusal)) {
+    throw ApiError(err == EACCES ? "forbidden" : "invalid_params", refusal);
+  }
 }
 
 // Checks a connector, moves the attachment to attaching and, for FUSE, mounts it. A new
@@ -90,7 +98,7 @@ void Service::connect(Database::Transaction& tx, AttachmentRow& a, const VolumeR
   if (connector.transport == "fuse") {
     auto volume = volumes_.open(a.volume_id, v.size);
     if (!volume) throw ApiError("internal", "cannot open volume " + a.volume_id);
-    exports_.mount(a.id, connector.mountpoint,
+    exports_.mount(a.id, connector.mountpoint, policy().fuse_mount_root,
                    backend::Handle(volume, a.mode, exports_.write_access(a.id)));
   }
   a.connector = connector.stored;

@@ -2,6 +2,7 @@
 // (docs/state.md, "Backup and restore").
 #include <fcntl.h>
 #include <spdlog/spdlog.h>
+#include <sys/sendfile.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -11,6 +12,7 @@
 #include <filesystem>
 
 #include "control/service.h"
+#include "rights/rights.h"
 
 namespace shareblk::control {
 namespace {
@@ -29,49 +31,89 @@ int sync_path(const std::string& path, int flags) {
                  what + ": " + std::strerror(err));
 }
 
+// Runs as the caller (rights::run_as, after fork: system calls only): copies the finished
+// backup from `from` into a new file `partial` that the caller creates, mode 0600, syncs it and
+// renames it to `path` (never over a file), then syncs the directory. 0 or an errno value.
+struct CopyOut {
+  int from;
+  const char* partial;
+  const char* path;
+  const char* directory;
+
+  int operator()() const {
+    const int out = ::open(partial, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
+    if (out < 0) return errno;
+    int err = 0;
+    off_t offset = 0;
+    for (;;) {
+      const ssize_t n = ::sendfile(out, from, &offset, 1 << 30);
+      if (n == 0) break;
+      if (n < 0 && errno != EINTR) {
+        err = errno;
+        break;
+      }
+    }
+    if (err == 0 && ::fsync(out) != 0) err = errno;
+    ::close(out);
+    if (err == 0 && ::renameat2(AT_FDCWD, partial, AT_FDCWD, path, RENAME_NOREPLACE) != 0) {
+      err = errno;
+    }
+    if (err != 0) {
+      ::unlink(partial);
+      return err;
+    }
+    return sync_path(directory, O_RDONLY | O_DIRECTORY);
+  }
+};
+
 }  // namespace
 
-Json Service::state_backup(const std::string& path) {
+Json Service::state_backup(const std::string& path, const rights::Credentials& writer) {
   namespace fs = std::filesystem;
   const fs::path target(path);
   if (!target.is_absolute() || target.filename().empty()) {
     throw ApiError("invalid_params",
                    "'path' must be an absolute path to a file, not '" + path + "'");
   }
-  std::error_code ec;
-  if (!fs::is_directory(target.parent_path(), ec)) {
-    throw ApiError("invalid_params", "no directory " + target.parent_path().string());
-  }
-  if (fs::symlink_status(target, ec).type() != fs::file_type::not_found) {
-    throw ApiError("invalid_params", path + " exists: a backup never replaces a file");
-  }
-  // Written aside and renamed into place, so that `path` is a whole backup or nothing. Mode 0600:
-  // it holds export names, which admit clients.
-  const std::string partial = path + ".partial-" + random_hex(4);
-  const int fd = ::open(partial.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
-  if (fd < 0) fail(errno, "cannot create " + partial);
-  ::close(fd);
-  auto discard = [&] { ::unlink(partial.c_str()); };
+  // SQLite writes the copy into the state directory, the daemon's own; the caller's file gets
+  // it from there with the caller's rights, so the daemon never creates, replaces or writes a
+  // file where the caller could not (docs/security.md).
+  const std::string own = (state_dir_ / ("backup-" + random_hex(4) + ".tmp")).string();
+  const int created = ::open(own.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+  if (created < 0) fail(errno, "cannot create " + own);
+  ::close(created);
+  struct Discard {
+    const std::string& file;
+    ~Discard() { ::unlink(file.c_str()); }
+  } discard{own};
   try {
-    db_.backup_into(partial);
+    db_.backup_into(own);
   } catch (const DbError& e) {
-    discard();
     throw ApiError(e.disk_full() ? "no_space" : "internal", e.what());
   }
-  int err = sync_path(partial, O_RDONLY);
-  if (err == 0 &&
-      ::renameat2(AT_FDCWD, partial.c_str(), AT_FDCWD, path.c_str(), RENAME_NOREPLACE) != 0) {
-    err = errno;
-  }
-  if (err != 0) {
-    discard();
-    if (err == EEXIST)
+  const int from = ::open(own.c_str(), O_RDONLY | O_CLOEXEC);
+  if (from < 0) fail(errno, "cannot read " + own);
+  const std::string partial = path + ".partial-" + random_hex(4);
+  const std::string directory = target.parent_path().string();
+  const int err =
+      rights::run_as(writer, CopyOut{from, partial.c_str(), path.c_str(), directory.c_str()});
+  ::close(from);
+  switch (err) {
+    case 0:
+      break;
+    case EEXIST:
       throw ApiError("invalid_params", path + " exists: a backup never replaces a file");
-    fail(err, "cannot write " + path);
+    case ENOENT:
+    case ENOTDIR:
+      throw ApiError("invalid_params", "no directory " + directory);
+    case EACCES:
+    case EPERM:
+    case EROFS:
+      throw ApiError("forbidden", rights::refusal(writer, "write", path, err));
+    default:
+      fail(err, "cannot write " + path);
   }
-  if ((err = sync_path(target.parent_path().string(), O_RDONLY | O_DIRECTORY)) != 0) {
-    fail(err, "cannot sync " + target.parent_path().string());
-  }
+  std::error_code ec;
   Json result{{"path", path},
               {"size", fs::file_size(target, ec)},
               {"schema_version", kSchemaVersion},

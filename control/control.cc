@@ -1,6 +1,7 @@
 // The control socket: a listener thread, a thread per client, replies and notices in order.
 #include "control/control.h"
 
+#include <poll.h>
 #include <spdlog/spdlog.h>
 #include <sys/eventfd.h>
 #include <sys/socket.h>
@@ -16,9 +17,12 @@
 #include <system_error>
 #include <thread>
 #include <unordered_set>
+#include <utility>
 
 #include "control/jsonrpc.h"
 #include "control/service.h"
+#include "rights/rights.h"
+#include "target/rate_limited_log.h"
 
 namespace shareblk::control {
 
@@ -50,6 +54,21 @@ class ReplyShare {
   size_t bytes_;
 };
 
+// After its refusal line: lets a refused client finish sending its request (up to EOF or a
+// second), so that it reads the refusal instead of failing its write on a closed socket.
+void linger_briefly(int fd) {
+  ::shutdown(fd, SHUT_WR);
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(1);
+  char sink[4096];
+  for (;;) {
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+        deadline - std::chrono::steady_clock::now());
+    pollfd p{fd, POLLIN, 0};
+    if (left.count() <= 0 || ::poll(&p, 1, static_cast<int>(left.count())) <= 0) return;
+    if (::recv(fd, sink, sizeof sink, 0) <= 0) return;
+  }
+}
+
 class Catalog final : public target::ExportCatalog {
  public:
   explicit Catalog(Service& service) : service_(service) {}
@@ -80,7 +99,7 @@ class Catalog final : public target::ExportCatalog {
 
 struct ControlPlane::Impl {
   Impl(const std::string& db_path, lvm::VolumeStore& store, Policy policy)
-      : service(db_path, store, policy), catalog(std::make_shared<Catalog>(service)) {}
+      : service(db_path, store, std::move(policy)), catalog(std::make_shared<Catalog>(service)) {}
 
   void accept_loop();
   void serve_client(int fd);
@@ -93,16 +112,18 @@ struct ControlPlane::Impl {
   int stop_event = -1;      // an eventfd: written at stop, ends the accept loop's wait
   std::string socket_path;  // the socket listen() bound; empty for a passed one
   size_t max_clients = 0;
+  Roles roles;
   std::thread acceptor;
   std::mutex mutex;
   std::condition_variable idle;
   std::unordered_set<int> clients;
   bool stopping = false;
   std::atomic<size_t> reply_bytes{0};  // see ReplyShare
+  target::RateLimitedLog refused_log;  // callers with no role can cause these lines in bulk
 };
 
 ControlPlane::ControlPlane(const std::string& db_path, lvm::VolumeStore& store, Policy policy)
-    : impl_(std::make_unique<Impl>(db_path, store, policy)) {}
+    : impl_(std::make_unique<Impl>(db_path, store, std::move(policy))) {}
 
 ControlPlane::~ControlPlane() {
   stop();
@@ -132,18 +153,26 @@ std::string ControlPlane::handle(const std::string& line, const Caller& caller) 
   return handle_line(line, impl_->service, caller);
 }
 
+Role role_of(const rights::Credentials& who, const Roles& roles) {
+  if (who.uid == 0 || who.uid == ::geteuid()) return Role::Admin;
+  if (roles.admin_group && rights::in_group(who, *roles.admin_group)) return Role::Admin;
+  if (roles.read_group && rights::in_group(who, *roles.read_group)) return Role::Read;
+  return Role::None;
+}
+
 std::error_code ControlPlane::listen(const std::string& path, size_t max_clients,
-                                     target::SocketAccess access) {
+                                     target::SocketAccess access, Roles roles) {
   Impl& s = *impl_;
   int fd = -1;
   if (std::error_code ec = target::listen_unix(path, access, fd)) return ec;
   s.socket_path = path;
-  return serve(fd, max_clients);
+  return serve(fd, max_clients, roles);
 }
 
-std::error_code ControlPlane::serve(int listening_fd, size_t max_clients) {
+std::error_code ControlPlane::serve(int listening_fd, size_t max_clients, Roles roles) {
   Impl& s = *impl_;
   s.max_clients = max_clients;
+  s.roles = roles;
   // nbdkit's connections each hold a control connection for their whole life: some are kept
   // back for operators, or enough NBD clients through nbdkit would lock them out.
   s.service.set_max_subscribers(max_clients - std::min<size_t>(16, max_clients / 2));
@@ -295,11 +324,30 @@ void ControlPlane::Impl::serve_client(int fd) {
   auto connection = std::make_shared<ClientConnection>(fd);
   Caller caller;
   caller.subscriber = connection;
+  caller.role = Role::None;  // unless the kernel says who it is
   ucred cred{};
   socklen_t len = sizeof cred;
-  if (::getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) == 0) {
-    caller.pid = cred.pid;
-    caller.uid = cred.uid;
+  if (::getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) == 0) caller.pid = cred.pid;
+  if (const std::optional<rights::Credentials> who = rights::peer_of(fd)) {
+    caller.uid = who->uid;
+    caller.gid = who->gid;
+    caller.groups = who->groups;
+    caller.role = role_of(*who, roles);
+  }
+  if (caller.role == Role::None) {
+    // The socket's mode let it connect (a readonly group needs the socket open to all), but its
+    // user is in no group that has a role.
+    refused_log.warn_line("no role", "control: uid=" + std::to_string(caller.uid) + " pid=" +
+                                         std::to_string(caller.pid) + " has no role here; refused");
+    connection->send_line(
+        error_line(code_for("forbidden"), "forbidden",
+                   "uid " + std::to_string(caller.uid) + " may not use this control socket"));
+    linger_briefly(fd);
+    connection->mark_gone();
+    std::lock_guard lock(mutex);
+    clients.erase(fd);
+    idle.notify_all();
+    return;
   }
   std::string buffer;
   bool skipping = false;  // inside an over-long line

@@ -13,13 +13,18 @@
 #include <chrono>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <system_error>
+#include <vector>
 
 #include "lvm/volume_store.h"
+#include "rights/rights.h"
 #include "target/target.h"
 
 namespace shareblk::control {
+
+inline constexpr const char* kDefaultFuseMountRoot = "/run/shareblk/mounts";
 
 struct Policy {
   bool allow_multiattach = true;           // may volumes be (made) multiattach at all
@@ -31,6 +36,9 @@ struct Policy {
   // binding has a PSK of its own (docs/api.md, "Connector" and "connection_info").
   target::TlsOptions::Mode tls = target::TlsOptions::Mode::Off;
   bool tls_x509 = false;  // --tls-x509-dir given: connectors may bind a client certificate's DN
+  // FUSE attachments mount only strictly below this directory (--fuse-mount-root); fixed at
+  // start, a reload keeps it.
+  std::string fuse_mount_root = kDefaultFuseMountRoot;
 };
 
 // Where NBD clients reach this daemon; connection_info URIs are built from it.
@@ -61,11 +69,32 @@ struct AttachmentStats {
   target::GroupStats figures;
 };
 
-// Who called, from SO_PEERCRED; logged with every call.
+// What a control-socket caller may call. Each method of the table needs one role (docs/api.md,
+// "Roles"); a caller with none is refused at connect.
+enum class Role { None, Read, Admin };
+
+// Who gets which role, from the options: root and the daemon's own user are Admin; so are the
+// members of `admin_group` (--control-socket-group); the members of `read_group`
+// (--control-readonly-group) are Read; anyone else who manages to connect is None.
+struct Roles {
+  std::optional<gid_t> admin_group;
+  std::optional<gid_t> read_group;
+};
+Role role_of(const rights::Credentials& who, const Roles& roles);
+
+// Who called, from SO_PEERCRED and SO_PEERGROUPS; logged with every call. A path the caller
+// names is used with these rights (rights/rights.h), never with the daemon's.
 struct Caller {
   pid_t pid = 0;
   uid_t uid = 0;
+  gid_t gid = 0;
+  std::vector<gid_t> groups;
+  // In-process calls (the tests, the fuzzer) are the daemon's own; the control socket sets it
+  // from role_of().
+  Role role = Role::Admin;
   std::weak_ptr<Subscriber> subscriber;  // empty: the caller takes no notifications
+
+  rights::Credentials credentials() const { return {uid, gid, groups}; }
 };
 
 class ControlPlane {
@@ -98,11 +127,13 @@ class ControlPlane {
   // thread of its own, with a thread per client. A client beyond `max_clients` at once, or one no
   // thread can be started for, gets one JSON-RPC error line (reason "internal") and is closed; the
   // daemon goes on.
+  // Each client gets its role from `roles` when it connects; one with none gets one error line
+  // (reason "forbidden") and is closed.
   std::error_code listen(const std::string& path, size_t max_clients,
-                         target::SocketAccess access = {0600, std::nullopt});
+                         target::SocketAccess access = {0600, std::nullopt}, Roles roles = {});
   // The same on a socket already listening (systemd socket activation), which this takes:
   // its descriptor is closed at stop(), the socket itself neither shut down nor removed.
-  std::error_code serve(int listening_fd, size_t max_clients);
+  std::error_code serve(int listening_fd, size_t max_clients, Roles roles = {});
   void stop();
   // After stop() and the NBD server's: makes every write acknowledged to a client durable
   // (fdatasync of each open volume). False, logged, when a volume could not be flushed.

@@ -15,10 +15,10 @@ size_t ExportRegistry::connections(const std::string& attachment_id) const {
 }
 
 void ExportRegistry::mount(const std::string& attachment_id, const std::string& mountpoint,
-                           const backend::Handle& handle) {
+                           const std::string& root, const backend::Handle& handle) {
   unmount(attachment_id);
   std::string error;
-  auto mount = fuse::LocalAttach::mount(mountpoint, handle, error);
+  auto mount = fuse::LocalAttach::mount(mountpoint, root, handle, error);
   if (!mount) invalid(error);
   std::lock_guard lock(mounts_mutex_);
   mounts_[attachment_id] = std::move(mount);

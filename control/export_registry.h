@@ -31,10 +31,10 @@ class ExportRegistry {
     return server_ != nullptr ? server_->stats() : std::vector<target::GroupStats>{};
   }
 
-  // Mounts the attachment's FUSE file at `mountpoint`, replacing a mount it had. Throws
-  // ApiError("invalid_params") with the mount's error.
+  // Mounts the attachment's FUSE file at `mountpoint`, strictly below `root`, replacing a
+  // mount it had. Throws ApiError("invalid_params") with the mount's error.
   void mount(const std::string& attachment_id, const std::string& mountpoint,
-             const backend::Handle& handle);
+             const std::string& root, const backend::Handle& handle);
   // Unmounts it if mounted; true when the mount was busy and detached lazily.
   bool unmount(const std::string& attachment_id);
 

@@ -151,6 +151,22 @@ std::optional<std::string> reply_id(const Json& request, const std::string& numb
   return "null";
 }
 
+// A read-only caller sees everything but what admits a client: each connection_info (export
+// names, TLS keys) becomes null, wherever it stands in the result.
+void withhold_credentials(Json& value) {
+  if (value.is_object()) {
+    for (auto& [key, item] : value.items()) {
+      if (key == "connection_info") {
+        item = nullptr;
+      } else {
+        withhold_credentials(item);
+      }
+    }
+  } else if (value.is_array()) {
+    for (Json& item : value) withhold_credentials(item);
+  }
+}
+
 struct Reply {
   std::string id;  // JSON text
   std::string line;
@@ -185,6 +201,15 @@ std::optional<Reply> handle_one(const Json& request, const std::string& number_i
     return respond(
         error_response(id_text, kMethodNotFound, "not_found", "unknown method '" + method + "'"));
   }
+  if (caller.role < found->role) {
+    spdlog::info("control: uid={} pid={} {}: forbidden (read-only role)", caller.uid, caller.pid,
+                 printable(method));
+    return respond(error_response(id_text, code_for("forbidden"), "forbidden",
+                                  "uid " + std::to_string(caller.uid) +
+                                      " may only look (its "
+                                      "role is read-only); " +
+                                      method + " changes state"));
+  }
   Json params = request.contains("params") ? request["params"] : Json::object();
   if (params.is_null()) params = Json::object();
   if (!params.is_object()) {
@@ -199,6 +224,7 @@ std::optional<Reply> handle_one(const Json& request, const std::string& number_i
       if (id && !id->empty()) service.learn_volume(*id);
     }
     Json result = found->run(service, params, caller);
+    if (caller.role == Role::Read) withhold_credentials(result);
     spdlog::info("control: uid={} pid={} {}: ok", caller.uid, caller.pid, printable(method));
     return respond(response(id_text, "result", result));
   } catch (const ApiError& e) {
@@ -280,6 +306,7 @@ int code_for(const std::string& reason) {
       {"volume_busy", -32012},
       {"volume_has_snapshots", -32013},
       {"not_supported", -32014},
+      {"forbidden", -32015},
   };
   for (const auto& [name, code] : kCodes) {
     if (reason == name) return code;

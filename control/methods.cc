@@ -6,10 +6,11 @@ namespace shareblk::control {
 
 namespace {
 
-Json volume_create(Service& s, const Json& p, const Caller&) {
+Json volume_create(Service& s, const Json& p, const Caller& caller) {
   VolumeSpec spec;
   spec.name = need_string(p, "name", kMaxVolumeName);
   spec.from_image = opt_string(p, "from_image", 4096).value_or("");
+  spec.image_reader = caller.credentials();
   spec.from_snapshot = opt_string(p, "from_snapshot").value_or("");
   spec.from_volume = opt_string(p, "from_volume").value_or("");
   // With a source, the size may be left to it.
@@ -116,8 +117,8 @@ Json snapshot_delete(Service& s, const Json& p, const Caller&) {
   return s.snapshot_delete(need_string(p, "snapshot_id"), opt_bool(p, "wait").value_or(false));
 }
 
-Json state_backup(Service& s, const Json& p, const Caller&) {
-  return s.state_backup(need_string(p, "path", kMaxPath));
+Json state_backup(Service& s, const Json& p, const Caller& caller) {
+  return s.state_backup(need_string(p, "path", kMaxPath), caller.credentials());
 }
 
 Json stats(Service& s, const Json& p, const Caller&) {
@@ -152,27 +153,27 @@ constexpr std::string_view kStateBackup[] = {"path"};
 constexpr std::string_view kStats[] = {"attachment_id", "volume_id"};
 
 constexpr std::array kMethods = {
-    Method{"volume_create", kVolumeCreate, volume_create},
-    Method{"volume_list", {}, volume_list},
-    Method{"volume_show", kVolumeId, volume_show},
-    Method{"volume_update", kVolumeUpdate, volume_update},
-    Method{"volume_extend", kVolumeExtend, volume_extend},
-    Method{"volume_delete", kVolumeDelete, volume_delete},
-    Method{"volume_detach", kVolumeDetach, volume_detach},
-    Method{"volume_takeover", kVolumeTakeover, volume_takeover},
-    Method{"attachment_create", kAttachmentCreate, attachment_create},
-    Method{"attachment_update", kAttachmentUpdate, attachment_update},
-    Method{"attachment_complete", kAttachmentId, attachment_complete},
-    Method{"attachment_delete", kAttachmentId, attachment_delete},
-    Method{"attachment_list", kVolumeId, attachment_list},
-    Method{"attachment_show", kAttachmentId, attachment_show},
-    Method{"snapshot_create", kSnapshotCreate, snapshot_create},
-    Method{"snapshot_list", kVolumeId, snapshot_list},
-    Method{"snapshot_show", kSnapshotId, snapshot_show},
-    Method{"snapshot_delete", kSnapshotDelete, snapshot_delete},
-    Method{"export_resolve", kExportResolve, export_resolve},
-    Method{"state_backup", kStateBackup, state_backup},
-    Method{"stats", kStats, stats},
+    Method{"volume_create", kVolumeCreate, Role::Admin, volume_create},
+    Method{"volume_list", {}, Role::Read, volume_list},
+    Method{"volume_show", kVolumeId, Role::Read, volume_show},
+    Method{"volume_update", kVolumeUpdate, Role::Admin, volume_update},
+    Method{"volume_extend", kVolumeExtend, Role::Admin, volume_extend},
+    Method{"volume_delete", kVolumeDelete, Role::Admin, volume_delete},
+    Method{"volume_detach", kVolumeDetach, Role::Admin, volume_detach},
+    Method{"volume_takeover", kVolumeTakeover, Role::Admin, volume_takeover},
+    Method{"attachment_create", kAttachmentCreate, Role::Admin, attachment_create},
+    Method{"attachment_update", kAttachmentUpdate, Role::Admin, attachment_update},
+    Method{"attachment_complete", kAttachmentId, Role::Admin, attachment_complete},
+    Method{"attachment_delete", kAttachmentId, Role::Admin, attachment_delete},
+    Method{"attachment_list", kVolumeId, Role::Read, attachment_list},
+    Method{"attachment_show", kAttachmentId, Role::Read, attachment_show},
+    Method{"snapshot_create", kSnapshotCreate, Role::Admin, snapshot_create},
+    Method{"snapshot_list", kVolumeId, Role::Read, snapshot_list},
+    Method{"snapshot_show", kSnapshotId, Role::Read, snapshot_show},
+    Method{"snapshot_delete", kSnapshotDelete, Role::Admin, snapshot_delete},
+    Method{"export_resolve", kExportResolve, Role::Admin, export_resolve},
+    Method{"state_backup", kStateBackup, Role::Admin, state_backup},
+    Method{"stats", kStats, Role::Read, stats},
 };
 
 }  // namespace

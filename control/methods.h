@@ -14,6 +14,9 @@ struct Method {
   std::string_view name;
   // The keys its params may have; the framing refuses any other before run() is called.
   std::span<const std::string_view> params;
+  // Who may call it: Read for what only looks (and then never sees an export name or a key:
+  // connection_info is withheld), Admin for everything else (docs/api.md, "Roles").
+  Role role;
   Json (*run)(Service& service, const Json& params, const Caller& caller);
 };
 

@@ -51,6 +51,7 @@ std::string now_iso() {
   return iso8601_utc(std::chrono::system_clock::now());
 }
 
+#if SHAREBLK_TEST_HOOKS
 void crash_point(const char* point) {
   // Read once, at the first call; set only by the tests that start the daemon with it.
   static const char* const wanted = std::getenv("SHAREBLK_TEST_KILL_AT");
@@ -64,12 +65,18 @@ void test_pause() {
   static const char* const ms = std::getenv("SHAREBLK_TEST_JOB_PAUSE_MS");
   if (ms != nullptr) std::this_thread::sleep_for(std::chrono::milliseconds(std::atoi(ms)));
 }
+#else
+// A build without the test hooks (a plain one, the package preset): no environment variable
+// can kill or stall a shipped daemon.
+void crash_point(const char* /*point*/) {}
+void test_pause() {}
+#endif
 
 Service::Service(const std::string& db_path, lvm::VolumeStore& store, Policy policy)
     : db_(db_path),
       volumes_(store),
       journal_((std::filesystem::path(db_path).parent_path() / "revocations").string()),
-      policy_(policy),
+      policy_(std::move(policy)),
       state_dir_(comparable_path(std::filesystem::absolute(db_path).parent_path())) {
   if (policy_.tls != target::TlsOptions::Mode::Off) {
     psk_ = PskKeys((std::filesystem::path(db_path).parent_path() / "tls-psk.secret").string());
@@ -145,7 +152,8 @@ void Service::remount(const AttachmentRow& a, const VolumeRow& v) {
   }
   auto volume = volumes_.open(a.volume_id, v.size);
   if (!volume) throw ApiError("internal", "cannot open volume " + a.volume_id);
-  exports_.mount(a.id, mountpoint, backend::Handle(volume, a.mode, exports_.write_access(a.id)));
+  exports_.mount(a.id, mountpoint, policy().fuse_mount_root,
+                 backend::Handle(volume, a.mode, exports_.write_access(a.id)));
   spdlog::info("control: attachment {} mounted again at {}", a.id, mountpoint);
 }
 
@@ -184,7 +192,11 @@ void Service::reconcile() {
   }
   for (const VolumeRow& v : tx.volumes()) known.emplace_back(v.id, v.name);
   for (const SnapshotRow& s : tx.snapshots()) known.emplace_back(s.id, "snapshot " + s.name);
-  volumes_.reconcile(known);
+  std::set<std::string> deleting;  // finish_intents() started their deletes
+  for (const IntentRow& i : tx.intents()) {
+    if (i.action == IntentAction::Delete) deleting.insert(i.volume_id);
+  }
+  volumes_.reconcile(known, deleting);
   load_write_access(tx);
   tx.commit();
 }

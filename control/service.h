@@ -45,6 +45,7 @@ struct VolumeSpec {
   // What it starts as (at most one; "" for none, when it reads as zeroes): an image on the
   // daemon's host, a snapshot's copy, or a copy of another volume (docs/snapshots.md).
   std::string from_image;
+  rights::Credentials image_reader;  // from_image is opened with these rights: the caller's
   std::string from_snapshot;
   std::string from_volume;
   target::QosSpec qos;  // docs/qos.md
@@ -118,7 +119,8 @@ class Service {
 
   // A consistent copy of the state database at `path` (absolute; must not exist), written
   // aside and renamed into place (backup.cc).
-  Json state_backup(const std::string& path);
+  // Writes the backup with `writer`'s rights (the caller's): the file is theirs, mode 0600.
+  Json state_backup(const std::string& path, const rights::Credentials& writer);
 
   // For another process that serves the attachment (nbdkit): where its bytes are, in which
   // mode; subscribes the caller to its revocation.
@@ -380,11 +382,12 @@ std::filesystem::path comparable_path(const std::filesystem::path& path);
 std::string volume_status(const std::vector<AttachmentRow>& attachments);
 // For the crash tests (tests/e2e_crash_test.cc) only: when the environment variable
 // SHAREBLK_TEST_KILL_AT names `point`, the daemon kills itself there with SIGKILL, as a
-// kill -9 at that moment would.
+// kill -9 at that moment would. Only in a build with SHAREBLK_TEST_HOOKS (the test presets);
+// elsewhere it does nothing.
 void crash_point(const char* point);
 // For the tests of long operations only: when SHAREBLK_TEST_JOB_PAUSE_MS is set, a delete's
 // zeroing and a fill wait that many milliseconds at each report of progress, so that a test can
-// act (and kill the daemon) while one runs.
+// act (and kill the daemon) while one runs. Only with SHAREBLK_TEST_HOOKS, like crash_point.
 void test_pause();
 
 }  // namespace shareblk::control

@@ -96,7 +96,7 @@ void VolumeRegistry::remove(const std::string& id, const lvm::Progress& progress
   missing_.erase(id);
 }
 
-void VolumeRegistry::fill(const std::string& id, uint64_t size, const std::string& image,
+void VolumeRegistry::fill(const std::string& id, uint64_t size, const lvm::ImageSource& image,
                           const lvm::ImageInfo& info, const lvm::Progress& progress) {
   std::shared_ptr<backend::Volume> volume;  // its own: no connection has it while it fills
   if (lvm::StoreError e = store_.open(id, size, volume)) throw store_error(e);
@@ -242,7 +242,8 @@ void VolumeRegistry::notify(const std::string& id, std::chrono::milliseconds tim
 }
 
 void VolumeRegistry::reconcile(
-    const std::vector<std::pair<std::string, std::string>>& known_ids_and_names) {
+    const std::vector<std::pair<std::string, std::string>>& known_ids_and_names,
+    const std::set<std::string>& deleting) {
   std::vector<std::string> ids;
   if (lvm::StoreError e = store_.list(ids)) {
     spdlog::error("control: cannot list the {} store: {}", store_.kind(), e.message);
@@ -252,7 +253,7 @@ void VolumeRegistry::reconcile(
   std::set<std::string> known;
   for (const auto& [id, name] : known_ids_and_names) {
     known.insert(id);
-    if (backed.count(id) == 0) {
+    if (backed.count(id) == 0 && deleting.count(id) == 0) {
       spdlog::error(
           "control: volume {} ({}) has no backing in the {} store; its status is "
           "error",

@@ -10,6 +10,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -83,7 +84,7 @@ class VolumeRegistry {
   void remove(const std::string& id, const lvm::Progress& progress = {});
 
   // Writes an image into a new volume's backing (lvm::fill_from_image), telling `progress`.
-  void fill(const std::string& id, uint64_t size, const std::string& image,
+  void fill(const std::string& id, uint64_t size, const lvm::ImageSource& image,
             const lvm::ImageInfo& info, const lvm::Progress& progress);
 
   // Makes backing `to` of `size` bytes holding the first `length` bytes of `from` (a volume's or
@@ -113,8 +114,10 @@ class VolumeRegistry {
   std::optional<std::string> missing(const std::string& id) const;
 
   // At start-up: what the store holds against the ids the database knows, logged, never
-  // "fixed" by deleting anything. Volumes without backing are missing() from then on.
-  void reconcile(const std::vector<std::pair<std::string, std::string>>& known_ids_and_names);
+  // "fixed" by deleting anything. Volumes without backing are missing() from then on, except
+  // those `deleting` (an interrupted delete being finished), whose backing may be gone.
+  void reconcile(const std::vector<std::pair<std::string, std::string>>& known_ids_and_names,
+                 const std::set<std::string>& deleting);
 
  private:
   lvm::VolumeStore& store_;

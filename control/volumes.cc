@@ -1,7 +1,11 @@
 // The volume methods (docs/api.md, "Volumes").
+#include <fcntl.h>
 #include <spdlog/spdlog.h>
+#include <unistd.h>
 
+#include <cstring>
 #include <map>
+#include <memory>
 #include <system_error>
 
 #include "control/service.h"
@@ -10,11 +14,30 @@ namespace shareblk::control {
 
 namespace {
 
-// What `qemu-img info` says of a volume_create's `from_image`; throws ApiError.
-lvm::ImageInfo inspect(const std::string& path) {
+// A volume_create's `from_image`, opened with the caller's rights: a file the caller could not
+// read itself is `forbidden`, however much the daemon may read. Throws ApiError.
+std::shared_ptr<lvm::ImageSource> open_image(const std::string& path,
+                                             const rights::Credentials& reader) {
   if (path.empty() || path[0] != '/') invalid("from_image must be an absolute path: " + path);
+  int fd = -1;
+  // O_NONBLOCK: a FIFO must not hold the call until someone writes to it (inspect refuses it).
+  if (const int err = rights::open_as(reader, path, O_RDONLY | O_NOCTTY | O_NONBLOCK, 0, fd)) {
+    if (err == EACCES || err == EPERM) {
+      throw ApiError("forbidden", "from_image: " + rights::refusal(reader, "read", path, err));
+    }
+    invalid("from_image: " + path + ": " + std::strerror(err));
+  }
+  return std::shared_ptr<lvm::ImageSource>(new lvm::ImageSource{path, fd},
+                                           [](lvm::ImageSource* image) {
+                                             ::close(image->fd);
+                                             delete image;
+                                           });
+}
+
+// What `qemu-img info` says of it; throws ApiError.
+lvm::ImageInfo inspect(const lvm::ImageSource& image) {
   lvm::ImageInfo info;
-  if (lvm::StoreError e = lvm::inspect_image(path, info)) {
+  if (lvm::StoreError e = lvm::inspect_image(image, info)) {
     if (e.code.value() == ENOSYS || e.code.value() == EIO) throw ApiError("internal", e.message);
     invalid("from_image: " + e.message);
   }
@@ -79,12 +102,14 @@ Json Service::volume_create(const VolumeSpec& spec) {
   }
   if (!spec.from_image.empty()) volumes_.require_local("volume_create from_image");
   lvm::ImageInfo image;
-  uint64_t source_size = 0;  // the bytes the copy brings
+  std::shared_ptr<lvm::ImageSource> image_source;  // open until its fill is done
+  uint64_t source_size = 0;                        // the bytes the copy brings
   // A snapshot or volume copied from is kept from deletion until its copy is made, and a
   // volume's writes wait between requests meanwhile (docs/snapshots.md, "Crash consistency").
   std::shared_ptr<void> held;
   if (!spec.from_image.empty()) {
-    image = inspect(spec.from_image);
+    image_source = open_image(spec.from_image, spec.image_reader);
+    image = inspect(*image_source);
     source_size = image.virtual_size;
   } else if (!spec.from_snapshot.empty()) {
     const VolumeLock lock = volumes_.lock(spec.from_snapshot);
@@ -120,9 +145,8 @@ Json Service::volume_create(const VolumeSpec& spec) {
   std::string what;
   if (!spec.from_image.empty()) {
     what = "image " + printable(spec.from_image);
-    work = [this, id = v.id, size, path = spec.from_image, image](const lvm::Progress& p) {
-      volumes_.fill(id, size, path, image, p);
-    };
+    work = [this, id = v.id, size, source = std::move(image_source),
+            image](const lvm::Progress& p) { volumes_.fill(id, size, *source, image, p); };
   } else if (copies) {
     const bool snapshot = !spec.from_snapshot.empty();
     const std::string from = snapshot ? spec.from_snapshot : spec.from_volume;

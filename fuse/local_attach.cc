@@ -294,34 +294,85 @@ bool clear_stale_mount(const std::string& mountpoint) {
   return true;
 }
 
+int resolve_below(const std::string& mountpoint, const std::string& root, std::string& target,
+                  std::string& error) {
+  char* real_root = ::realpath(root.c_str(), nullptr);
+  if (real_root == nullptr) {
+    const int err = errno;
+    error =
+        "the FUSE mount root " + root + " (--fuse-mount-root) is not there: " + std::strerror(err);
+    return err;
+  }
+  std::string base(real_root);
+  std::free(real_root);
+  char* real = ::realpath(mountpoint.c_str(), nullptr);
+  if (real == nullptr) {
+    const int err = errno;
+    error = "mountpoint " + mountpoint + ": " + std::strerror(err);
+    return err;
+  }
+  target = real;
+  std::free(real);
+  if (base != "/") base += '/';
+  if (target.size() <= base.size() || target.compare(0, base.size(), base) != 0) {
+    error = "mountpoint " + mountpoint + " (" + target + ") is not below the FUSE mount root " +
+            root + " (--fuse-mount-root)";
+    return EACCES;
+  }
+  return 0;
+}
+
 std::unique_ptr<LocalAttach> LocalAttach::mount(const std::string& mountpoint,
-                                                backend::Handle handle, std::string& error) {
-  clear_stale_mount(mountpoint);
-  struct stat st {};
-  if (::stat(mountpoint.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) {
+                                                const std::string& root, backend::Handle handle,
+                                                std::string& error) {
+  std::string checked;
+  if (resolve_below(mountpoint, root, checked, error) != 0) return nullptr;
+  // Before the open below, which would otherwise find the stale mount's root.
+  clear_stale_mount(checked);
+  // The directory is opened once; what it is, and where, is read back from the descriptor.
+  const int dir = ::open(checked.c_str(), O_PATH | O_DIRECTORY | O_CLOEXEC);
+  if (dir < 0) {
     error = "mountpoint " + mountpoint + " is not a directory";
     return nullptr;
   }
+  const std::string through = "/proc/self/fd/" + std::to_string(dir);
+  std::string opened;
+  if (resolve_below(through, root, opened, error) != 0 || opened != checked) {
+    ::close(dir);
+    error = "mountpoint " + mountpoint + " changed while it was checked; try again";
+    return nullptr;
+  }
+  struct stat st {};
   std::unique_ptr<LocalAttach> attach(new LocalAttach());
-  attach->mountpoint_ = mountpoint;
+  attach->mountpoint_ = checked;
   attach->session_ = std::make_unique<Session>();
   Session& s = *attach->session_;
   s.handle = std::move(handle);
   s.can = s.handle.capabilities();
 
-  const char* argv[] = {"shareblkd", "-o", "fsname=shareblk,subtype=shareblk,allow_other"};
+  // nosuid, nodev, noexec: whatever bytes a caller wrote into the volume, the mount never
+  // makes a set-uid program, a device node or an executable of them.
+  const char* argv[] = {"shareblkd", "-o",
+                        "fsname=shareblk,subtype=shareblk,allow_other,nosuid,nodev,noexec"};
   fuse_args args = FUSE_ARGS_INIT(3, const_cast<char**>(argv));
   static const fuse_lowlevel_ops ops = make_ops();
   s.se = fuse_session_new(&args, &ops, sizeof ops, &s);
   fuse_opt_free_args(&args);
   if (s.se == nullptr) {
+    ::close(dir);
     error = "fuse_session_new failed";
     return nullptr;
   }
-  if (fuse_session_mount(s.se, mountpoint.c_str()) != 0) {
+  // Root mounts through the descriptor, onto the directory checked above. A daemon that is not
+  // root mounts through fusermount3, which resolves the path itself and mounts only where this
+  // user may write.
+  const std::string& where = ::geteuid() == 0 ? through : checked;
+  const int mounted = fuse_session_mount(s.se, where.c_str());
+  ::close(dir);
+  if (mounted != 0) {
     fuse_session_destroy(s.se);
     s.se = nullptr;
-    error = "cannot mount FUSE at " + mountpoint + " (is /dev/fuse there?)";
+    error = "cannot mount FUSE at " + checked + " (is /dev/fuse there?)";
     return nullptr;
   }
   s.loop = std::thread([&s] {
@@ -333,7 +384,7 @@ std::unique_ptr<LocalAttach> LocalAttach::mount(const std::string& mountpoint,
     fuse_loop_cfg_destroy(config);
   });
   // Only now: stat on the mount is a FUSE request, which the loop above must answer.
-  if (::stat(mountpoint.c_str(), &st) == 0) s.dev = st.st_dev;
+  if (::stat(checked.c_str(), &st) == 0) s.dev = st.st_dev;
   return attach;
 }
 

@@ -15,10 +15,13 @@ namespace shareblk::fuse {
 
 class LocalAttach {
  public:
-  // Mounts at `mountpoint` (which must exist). A stale FUSE mount left there by a daemon that
+  // Mounts at `mountpoint`, which must resolve to a directory strictly below `root` (see
+  // resolve_below). The mount goes onto the very directory that was checked, opened once and
+  // mounted through its descriptor, so a symlink swapped in meanwhile cannot move it; the file
+  // system is mounted nosuid, nodev and noexec. A stale FUSE mount left there by a daemon that
   // was killed is detached first. Returns nullptr with `error` set on failure.
-  static std::unique_ptr<LocalAttach> mount(const std::string& mountpoint, backend::Handle handle,
-                                            std::string& error);
+  static std::unique_ptr<LocalAttach> mount(const std::string& mountpoint, const std::string& root,
+                                            backend::Handle handle, std::string& error);
   ~LocalAttach();  // unmounts
   LocalAttach(const LocalAttach&) = delete;
   LocalAttach& operator=(const LocalAttach&) = delete;
@@ -37,6 +40,13 @@ class LocalAttach {
   std::string mountpoint_;
   std::unique_ptr<Session> session_;
 };
+
+// Puts in `target` the path `mountpoint` names, every symlink and `..` resolved, and returns 0
+// when it lies strictly below `root` (itself resolved); EACCES when it does not, or the errno
+// value of the failed resolution, with `error` saying why. A caller chooses mountpoints: this is
+// what keeps them off /etc and every other directory (docs/security.md).
+int resolve_below(const std::string& mountpoint, const std::string& root, std::string& target,
+                  std::string& error);
 
 // Detaches whatever FUSE mount is at `mountpoint` (one a killed daemon left). True if it did.
 bool clear_stale_mount(const std::string& mountpoint);

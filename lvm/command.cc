@@ -18,7 +18,7 @@ namespace shareblk::lvm {
 namespace {
 
 CommandResult run(const std::vector<std::string>& argv, std::chrono::seconds timeout,
-                  const OutputWatcher& on_out) {
+                  const OutputWatcher& on_out, int input) {
   CommandResult result;
   int out[2];
   int err[2];
@@ -30,7 +30,11 @@ CommandResult run(const std::vector<std::string>& argv, std::chrono::seconds tim
   }
   posix_spawn_file_actions_t actions;
   posix_spawn_file_actions_init(&actions);
-  posix_spawn_file_actions_addopen(&actions, 0, "/dev/null", O_RDONLY, 0);
+  if (input >= 0) {
+    posix_spawn_file_actions_adddup2(&actions, input, 0);
+  } else {
+    posix_spawn_file_actions_addopen(&actions, 0, "/dev/null", O_RDONLY, 0);
+  }
   posix_spawn_file_actions_adddup2(&actions, out[1], 1);
   posix_spawn_file_actions_adddup2(&actions, err[1], 2);
   std::vector<char*> args;
@@ -102,13 +106,14 @@ CommandResult run(const std::vector<std::string>& argv, std::chrono::seconds tim
 
 }  // namespace
 
-CommandResult run_command(const std::vector<std::string>& argv, std::chrono::seconds timeout) {
-  return run(argv, timeout, {});
+CommandResult run_command(const std::vector<std::string>& argv, std::chrono::seconds timeout,
+                          int input) {
+  return run(argv, timeout, {}, input);
 }
 
-CommandResult run_command_watched(const std::vector<std::string>& argv,
-                                  const OutputWatcher& on_out) {
-  return run(argv, std::chrono::hours(24 * 365), on_out);
+CommandResult run_command_watched(const std::vector<std::string>& argv, const OutputWatcher& on_out,
+                                  int input) {
+  return run(argv, std::chrono::hours(24 * 365), on_out, input);
 }
 
 }  // namespace shareblk::lvm

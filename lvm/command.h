@@ -16,16 +16,17 @@ struct CommandResult {
   std::string err;
 };
 
+// `input`: a descriptor the program gets as its standard input (/dev/null when -1).
 CommandResult run_command(const std::vector<std::string>& argv,
-                          std::chrono::seconds timeout = std::chrono::seconds(120));
+                          std::chrono::seconds timeout = std::chrono::seconds(120), int input = -1);
 
 // Sees what a program writes to its stdout as it comes; returns false to kill the program.
 using OutputWatcher = std::function<bool(std::string_view chunk)>;
 
 // run_command without a timeout, for a program that runs as long as its work takes (qemu-img
 // convert): its stdout goes to `on_out` instead of CommandResult::out.
-CommandResult run_command_watched(const std::vector<std::string>& argv,
-                                  const OutputWatcher& on_out);
+CommandResult run_command_watched(const std::vector<std::string>& argv, const OutputWatcher& on_out,
+                                  int input = -1);
 
 // How the LVM store runs lvm2's tools: run_command for the daemon, a fake in the store's unit
 // tests. argv[0] is the tool ("lvcreate", "lvs", ...).

@@ -32,6 +32,10 @@ StoreError qemu_img_failed(const std::string& what, const CommandResult& r) {
   return failure(EINVAL, what + ": " + last_line(r.err));
 }
 
+// How qemu-img names the image: the descriptor it got as its standard input, which the kernel
+// reopens as the file the caller opened, whatever its path names by now.
+constexpr const char* kInput = "/dev/stdin";
+
 // An image-opts value: commas are doubled.
 std::string opt_value(const std::string& s) {
   std::string out;
@@ -44,16 +48,18 @@ std::string opt_value(const std::string& s) {
 
 }  // namespace
 
-StoreError inspect_image(const std::string& path, ImageInfo& out) {
+StoreError inspect_image(const ImageSource& image, ImageInfo& out) {
+  const std::string& path = image.path;
   struct stat st {};
-  if (::stat(path.c_str(), &st) != 0) {
+  if (::fstat(image.fd, &st) != 0) {
     return failure(errno, path + ": " + std::generic_category().message(errno));
   }
   if (!S_ISREG(st.st_mode) && !S_ISBLK(st.st_mode)) {
     return failure(EINVAL, path + " is not a file or a block device");
   }
-  // `--` : a path is never taken for an option; qemu-img probes the format itself.
-  CommandResult r = run_command({"qemu-img", "info", "--output=json", "--", path});
+  // qemu-img probes the format itself.
+  CommandResult r = run_command({"qemu-img", "info", "--output=json", kInput},
+                                std::chrono::seconds(120), image.fd);
   if (r.status != 0) return qemu_img_failed("qemu-img info " + path, r);
   try {
     const Json info = Json::parse(r.out);
@@ -77,8 +83,9 @@ StoreError inspect_image(const std::string& path, ImageInfo& out) {
   return {};
 }
 
-StoreError fill_from_image(const backend::Volume& volume, const std::string& image,
+StoreError fill_from_image(const backend::Volume& volume, const ImageSource& source,
                            const ImageInfo& info, const Progress& progress) {
+  const std::string& image = source.path;
   const std::vector<backend::MappedSegment> layout = volume.layout();
   if (volume.remote()) {
     return failure(ENOTSUP, volume.path() + " is a remote image; qemu-img fills local ones only");
@@ -100,7 +107,7 @@ StoreError fill_from_image(const backend::Volume& volume, const std::string& ima
   bool stopped = false;
   CommandResult r = run_command_watched(
       {"setpriv", "--pdeathsig", "KILL", "--", "qemu-img", "convert", "-p", "-n",
-       "--target-is-zero", "-t", "writeback", "-f", info.format, "--target-image-opts", "--", image,
+       "--target-is-zero", "-t", "writeback", "-f", info.format, "--target-image-opts", kInput,
        opts},
       [&](std::string_view chunk) {
         for (char c : chunk) {
@@ -119,7 +126,8 @@ StoreError fill_from_image(const backend::Volume& volume, const std::string& ima
           line.clear();
         }
         return !stopped;
-      });
+      },
+      source.fd);
   if (stopped) return failure(ECANCELED, "filling from " + image + " stopped");
   if (r.status != 0) return qemu_img_failed("qemu-img convert " + image, r);
   if (progress) progress(info.virtual_size, info.virtual_size);

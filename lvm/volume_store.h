@@ -133,15 +133,24 @@ struct ImageInfo {
   uint64_t virtual_size = 0;
 };
 
-// Reads what `qemu-img info` says of the image at `path`. ENOENT when there is no such file;
-// EINVAL when qemu-img cannot read it, it is of another format than raw or qcow2, or it has a
+// The image a caller named, already open for reading with the caller's rights
+// (rights::open_as). qemu-img reads it through this descriptor alone (as its standard input),
+// never by the path, which the caller could point elsewhere meanwhile: what the daemon reads is
+// what the caller could read.
+struct ImageSource {
+  std::string path;  // as the caller named it: for messages
+  int fd = -1;       // a regular file or a block device; its owner closes it
+};
+
+// Reads what `qemu-img info` says of the image. EINVAL when it is not a regular file or block
+// device, qemu-img cannot read it, it is of another format than raw or qcow2, or it has a
 // backing or external data file (filling would then read a file the caller did not name).
-StoreError inspect_image(const std::string& path, ImageInfo& out);
+StoreError inspect_image(const ImageSource& image, ImageInfo& out);
 
 // Writes the image's contents into the first bytes of `volume` (a freshly made one: it must
 // read as zeroes) with `qemu-img convert`, telling `progress`. ENOTSUP when the volume's bytes
 // are not in one file, device or segment (an LV mapped onto several pieces).
-StoreError fill_from_image(const backend::Volume& volume, const std::string& image,
+StoreError fill_from_image(const backend::Volume& volume, const ImageSource& image,
                            const ImageInfo& info, const Progress& progress);
 
 }  // namespace shareblk::lvm

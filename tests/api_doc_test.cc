@@ -22,7 +22,8 @@ struct MethodDoc {
 
 struct ApiDoc {
   std::vector<MethodDoc> methods;
-  std::map<std::string, int> codes;  // the Errors table
+  std::map<std::string, int> codes;          // the Errors table
+  std::map<std::string, std::string> roles;  // the Roles table: method -> "admin" or "read"
 };
 
 ApiDoc read_api_doc() {
@@ -43,6 +44,10 @@ ApiDoc read_api_doc() {
     }
     if (current == "Errors" && std::regex_search(line, m, table_row)) {
       doc.codes[m[1]] = std::stoi(m[2]);
+      continue;
+    }
+    if (current == "Roles" && std::regex_search(line, m, table_row)) {
+      doc.roles[m[1]] = std::regex_replace(std::string(m[2]), std::regex(" +$"), "");
       continue;
     }
     if (current != "Methods") continue;
@@ -90,7 +95,7 @@ TEST(ApiDoc, DocumentsExactlyTheParamsEachMethodAccepts) {
 
 TEST(ApiDoc, ErrorReasonsAndCodesAreTheServers) {
   const ApiDoc doc = read_api_doc();
-  EXPECT_EQ(doc.codes.size(), 16u);  // not_supported (the RBD store) is the 16th
+  EXPECT_EQ(doc.codes.size(), 17u);  // forbidden (least authority) is the 17th
   for (const auto& [reason, code] : doc.codes) {
     EXPECT_EQ(shareblk::control::code_for(reason), code) << reason;
   }
@@ -100,6 +105,17 @@ TEST(ApiDoc, ErrorReasonsAndCodesAreTheServers) {
       EXPECT_EQ(doc.codes.count(reason), 1u) << m.name << " names unknown reason " << reason;
     }
   }
+}
+
+// Who may call each method is said once, in the method table, and documented once, in the
+// Roles table: the two agree, and every method is in both.
+TEST(ApiDoc, TheRolesTableIsTheMethodTables) {
+  const ApiDoc doc = read_api_doc();
+  std::map<std::string, std::string> served;
+  for (const auto& m : shareblk::control::method_table()) {
+    served[std::string(m.name)] = m.role == shareblk::control::Role::Read ? "read" : "admin";
+  }
+  EXPECT_EQ(doc.roles, served);
 }
 
 }  // namespace

@@ -99,7 +99,7 @@ class CapabilityTest : public ::testing::TestWithParam<const char*> {
   void SetUp() override {
     daemon_ = std::make_unique<Daemon>(
         std::vector<std::string>{"--state-dir", dir_ / "var", "--listen-unix", dir_ / "nbd.sock",
-                                 "--workers", "1"},
+                                 "--workers", "1", "--fuse-mount-root", dir_.path().string()},
         control_socket());
     volume_ = rpc_ok(control_socket(), "volume_create",
                      {{"name", "caps"}, {"size", 4 * kMiB}, {"multiattach", true}})["id"];

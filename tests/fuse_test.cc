@@ -80,7 +80,8 @@ class FuseAttach : public ::testing::Test {
 
   std::unique_ptr<fuse::LocalAttach> attach(const std::string& where, backend::AttachMode mode) {
     std::string error;
-    auto a = fuse::LocalAttach::mount(dir_ / where, backend::Handle(volume_, mode), error);
+    auto a = fuse::LocalAttach::mount(dir_ / where, dir_.path().string(),
+                                      backend::Handle(volume_, mode), error);
     EXPECT_TRUE(a) << error;
     return a;
   }
@@ -304,7 +305,7 @@ class FuseThroughDaemon : public ::testing::Test {
   void start() {
     daemon_ = std::make_unique<Daemon>(
         std::vector<std::string>{"--state-dir", dir_ / "var", "--listen-unix", dir_ / "nbd.sock",
-                                 "--workers", "1"},
+                                 "--workers", "1", "--fuse-mount-root", dir_.path().string()},
         socket());
   }
   std::string socket() const { return dir_ / "var/shareblk.sock"; }

@@ -30,10 +30,15 @@ class ManagedDaemonTest : public ::testing::Test {
     std::vector<std::string> args{
         "--state-dir",  dir_.path().string(), "--listen-unix", nbd_socket(),
         "--listen-tcp", "127.0.0.1:0",        "--workers",     "1"};
+    if (!control_socket_.empty()) args.insert(args.end(), {"--control-socket", control_socket_});
     args.insert(args.end(), extra.begin(), extra.end());
     daemon_ = std::make_unique<Daemon>(args, control());
   }
-  std::string control() const { return dir_ / "shareblk.sock"; }
+  // The state directory is the daemon's alone (0700): a test whose callers are other users
+  // puts the control socket elsewhere.
+  std::string control() const {
+    return control_socket_.empty() ? dir_ / "shareblk.sock" : control_socket_;
+  }
   std::string nbd_socket() const { return socket_dir_ / "nbd.sock"; }
   int tcp_port() const { return logged_tcp_port(*daemon_, "127.0.0.1"); }
 
@@ -49,6 +54,7 @@ class ManagedDaemonTest : public ::testing::Test {
 
   TempDir dir_;
   TempDir socket_dir_;
+  std::string control_socket_;  // empty: in the state directory
   std::unique_ptr<Daemon> daemon_;
 };
 
