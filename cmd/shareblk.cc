@@ -3,6 +3,7 @@
 // is printed), 2 bad usage, 3 the daemon could not be reached.
 #include <unistd.h>
 
+#include <array>
 #include <boost/program_options.hpp>
 #include <chrono>
 #include <cstdlib>
@@ -44,6 +45,33 @@ std::string text(const Json& v) {
 // A message from the daemon, which may quote a caller's strings.
 std::string escaped(const std::string& message) {
   return shareblk::printable(message, message.size());
+}
+
+// Where the daemon is when neither --socket nor $SHAREBLK_SOCKET says: the socket of a
+// `./dev run` daemon in this directory, else the packaged service's.
+constexpr std::array<const char*, 2> kDefaultSockets = {"./var/shareblk.sock",
+                                                        "/run/shareblk/shareblk.sock"};
+
+// Connects `client` to `named`, or (when it is empty) to the first default socket that exists:
+// one that exists and does not answer is reported, not passed over, for it is the daemon the
+// caller is nearest to. On failure prints every socket tried and why, and returns false.
+bool connect_to_daemon(shareblk::rpc::Client& client, const std::string& named) {
+  std::vector<std::string> candidates(kDefaultSockets.begin(), kDefaultSockets.end());
+  if (!named.empty()) candidates = {named};
+  std::string tried;
+  for (const std::string& path : candidates) {
+    const std::error_code ec = client.connect(path, shareblk::rpc::kWaitForever);
+    if (!ec) return true;
+    if (!named.empty()) {
+      std::cerr << "shareblk: cannot reach shareblkd at " << path << ": " << ec.message() << "\n";
+      return false;
+    }
+    tried += (tried.empty() ? "" : ", ") + path + " (" + ec.message() + ")";
+    if (ec != std::errc::no_such_file_or_directory) break;
+  }
+  std::cerr << "shareblk: cannot reach shareblkd; tried " << tried
+            << "; --socket PATH or $SHAREBLK_SOCKET names another\n";
+  return false;
 }
 
 std::string human_size(uint64_t bytes) {
@@ -351,8 +379,9 @@ int run(int argc, char** argv) {
   global.add_options()
     ("help,h", "show this help")
     ("version", "print the version and exit")
-    ("socket", po::value<std::string>()->default_value(env_socket ? env_socket : "./var/shareblk.sock"),
-     "control socket (also $SHAREBLK_SOCKET)")
+    ("socket", po::value<std::string>(),
+     "control socket (also $SHAREBLK_SOCKET; else ./var/shareblk.sock, or where that does "
+     "not exist /run/shareblk/shareblk.sock)")
     ("json", po::bool_switch(), "print the result as JSON");
   // clang-format on
   po::options_description all;  // what is parsed: the options shown, and the positionals
@@ -372,6 +401,9 @@ int run(int argc, char** argv) {
     std::cerr << "shareblk: " << e.what() << "\n";
     return 2;
   }
+  // --socket wins over $SHAREBLK_SOCKET; neither: the default sockets.
+  const std::string named_socket =
+      vm.count("socket") ? vm["socket"].as<std::string>() : (env_socket ? env_socket : "");
   if (vm.count("version")) {
     std::cout << "shareblk " SHAREBLK_VERSION "\n";
     return 0;
@@ -413,12 +445,8 @@ int run(int argc, char** argv) {
     return 0;
   }
   if (found != nullptr && found->view == cli::View::Stats) {
-    const std::string path = vm["socket"].as<std::string>();
     shareblk::rpc::Client client;
-    if (const std::error_code ec = client.connect(path, shareblk::rpc::kWaitForever)) {
-      std::cerr << "shareblk: cannot reach shareblkd at " << path << ": " << ec.message() << "\n";
-      return 3;
-    }
+    if (!connect_to_daemon(client, named_socket)) return 3;
     return stats_command(client, rest, vm["json"].as<bool>());
   }
 
@@ -460,13 +488,8 @@ int run(int argc, char** argv) {
     return 2;
   }
 
-  const std::string socket_path = vm["socket"].as<std::string>();
   shareblk::rpc::Client client;
-  if (const std::error_code ec = client.connect(socket_path, shareblk::rpc::kWaitForever)) {
-    std::cerr << "shareblk: cannot reach shareblkd at " << socket_path << ": " << ec.message()
-              << "\n";
-    return 3;
-  }
+  if (!connect_to_daemon(client, named_socket)) return 3;
   if (found != nullptr) {  // `call` passes its params as they are
     try {
       resolve_references(client, params);

@@ -5,8 +5,11 @@
 // device-mapper (containers), the LV's segment map from lvm2 -- physical volume, extent
 // ranges, pe_start, extent size -- and I/O straight to the physical volumes at the mapped
 // offsets. Only linear segments are served that way.
+#include <fcntl.h>
+#include <linux/dm-ioctl.h>
 #include <spdlog/spdlog.h>
 #include <stdlib.h>
+#include <sys/ioctl.h>
 #include <unistd.h>
 
 #include <filesystem>
@@ -66,16 +69,17 @@ uint64_t as_u64(const Json& v) {
 
 class LvmVolumeStore final : public VolumeStore {
  public:
-  LvmVolumeStore(std::string vg, std::string extra_config, CommandRunner run_lvm)
-      : vg_(std::move(vg)), config_(std::move(extra_config)), run_lvm_(std::move(run_lvm)) {
+  LvmVolumeStore(std::string vg, std::string extra_config, CommandRunner run_lvm,
+                 bool device_mapper)
+      : vg_(std::move(vg)),
+        config_(std::move(extra_config)),
+        run_lvm_(std::move(run_lvm)),
+        activation_(device_mapper) {
     // lvm2 complains about every descriptor it inherits from whoever started the daemon;
     // its complaints would bury the message an operator needs.
     ::setenv("LVM_SUPPRESS_FD_WARNINGS", "1", 0);
     // Without device-mapper nothing can be activated: tell lvm2 not to try.
-    if (::access("/dev/mapper/control", F_OK) != 0) {
-      config_ = "global{activation=0} " + config_;
-      activation_ = false;
-    }
+    if (!activation_) config_ = "global{activation=0} " + config_;
   }
 
   std::string kind() const override { return "lvm:" + vg_; }
@@ -209,7 +213,7 @@ class LvmVolumeStore final : public VolumeStore {
   }
 
   CommandResult lvm(std::vector<std::string> argv) {
-    argv.insert(argv.begin() + 1, {"--config", config_});
+    if (!config_.empty()) argv.insert(argv.begin() + 1, {"--config", config_});
     return run_lvm_(argv);
   }
 
@@ -288,21 +292,34 @@ class LvmVolumeStore final : public VolumeStore {
   std::string vg_;
   std::string config_;
   CommandRunner run_lvm_;
-  bool activation_ = true;
+  bool activation_;   // device-mapper answers: lvm2 may activate
   std::mutex mutex_;  // one lvm2 command of ours at a time
 };
 
 }  // namespace
 
-std::unique_ptr<VolumeStore> make_lvm_store(const std::string& vg, const std::string& config,
-                                            StoreError& error) {
-  return make_lvm_store(
-      vg, config, [](const std::vector<std::string>& argv) { return run_command(argv); }, error);
+bool device_mapper_answers(const std::string& control) {
+  const int fd = ::open(control.c_str(), O_RDWR | O_CLOEXEC);
+  if (fd < 0) return false;
+  dm_ioctl request{};
+  request.version[0] = DM_VERSION_MAJOR;  // the kernel refuses another major, answers any minor
+  request.data_size = sizeof request;
+  const bool answered = ::ioctl(fd, DM_VERSION, &request) == 0;
+  ::close(fd);
+  return answered;
 }
 
 std::unique_ptr<VolumeStore> make_lvm_store(const std::string& vg, const std::string& config,
-                                            CommandRunner run_lvm, StoreError& error) {
-  auto store = std::make_unique<LvmVolumeStore>(vg, config, std::move(run_lvm));
+                                            StoreError& error) {
+  return make_lvm_store(
+      vg, config, [](const std::vector<std::string>& argv) { return run_command(argv); },
+      device_mapper_answers(), error);
+}
+
+std::unique_ptr<VolumeStore> make_lvm_store(const std::string& vg, const std::string& config,
+                                            CommandRunner run_lvm, bool device_mapper,
+                                            StoreError& error) {
+  auto store = std::make_unique<LvmVolumeStore>(vg, config, std::move(run_lvm), device_mapper);
   std::vector<std::string> ids;
   if (StoreError e = store->list(ids)) {  // the VG must exist and lvm2 must answer
     error = e;

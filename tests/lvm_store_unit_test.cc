@@ -2,10 +2,15 @@
 // reads lvm2's JSON reports, and which errno each of lvm2's failures becomes. lvm2's words
 // here are what lvm2 2.03.16 (Debian 12) prints; e2e_lvm_tests runs the real thing.
 #include <gtest/gtest.h>
+#include <sys/stat.h>
+#include <sys/sysmacros.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdint>
+#include <cstring>
 #include <deque>
+#include <fstream>
 #include <map>
 #include <memory>
 #include <string>
@@ -49,9 +54,10 @@ std::string seg_report(const std::string& name, const std::string& tags,
   std::string rows;
   for (const auto& s : segments) {
     if (!rows.empty()) rows += ", ";
-    rows += R"({"lv_name":")" + name + R"(", "lv_tags":")" + tags +
-            R"(", "lv_size":"0", "segtype":")" + s[0] + R"(", "seg_start":")" + s[1] +
-            R"(", "seg_size":")" + s[2] + R"(", "seg_pe_ranges":")" + s[3] + R"("})";
+    rows.append(R"({"lv_name":")").append(name).append(R"(", "lv_tags":")").append(tags);
+    rows.append(R"(", "lv_size":"0", "segtype":")").append(s[0]).append(R"(", "seg_start":")");
+    rows.append(s[1]).append(R"(", "seg_size":")").append(s[2]).append(R"(", "seg_pe_ranges":")");
+    rows.append(s[3]).append(R"("})");
   }
   return R"({"report": [{"seg": [)" + rows + "]}]}";
 }
@@ -90,9 +96,10 @@ class FakeLvm {
     std::vector<std::string> call = argv;
     if (argv.size() >= 3 && argv[1] == "--config") {
       // Without device-mapper the store puts activation=0 in front of the operator's config.
-      EXPECT_TRUE(argv[2].ends_with(kConfig)) << argv[2];
+      EXPECT_TRUE(argv[2].ends_with(config_)) << argv[2];
+      EXPECT_FALSE(argv[2].empty()) << "lvm2 refuses an empty --config";
       call.erase(call.begin() + 1, call.begin() + 3);
-    } else {
+    } else if (!config_.empty()) {
       ADD_FAILURE() << argv[0] << " was run without --config";
     }
     calls_.push_back(call);
@@ -108,6 +115,9 @@ class FakeLvm {
 
   std::map<std::string, std::deque<CommandResult>> queued_;
   std::vector<std::vector<std::string>> calls_;
+
+ public:
+  std::string config_ = kConfig;  // the operator's config the store was given
 };
 
 using Argv = std::vector<std::string>;
@@ -139,7 +149,7 @@ class LvmStoreUnit : public ::testing::Test {
   std::unique_ptr<VolumeStore> make_store() {
     lvm_.answer("lvs", ok(lv_report("")));
     StoreError error;
-    auto store = make_lvm_store(kVg, kConfig, lvm_.runner(), error);
+    auto store = make_lvm_store(kVg, kConfig, lvm_.runner(), /*device_mapper=*/false, error);
     EXPECT_TRUE(store) << error.message;
     EXPECT_EQ(lvm_.take_calls(), std::vector<Argv>{kListCall});
     return store;
@@ -153,7 +163,7 @@ class LvmStoreUnit : public ::testing::Test {
 TEST_F(LvmStoreUnit, StartUpFailsWhenTheVolumeGroupIsMissing) {
   lvm_.answer("lvs", fails("Volume group \"vg0\" not found\n  Cannot process volume group vg0"));
   StoreError error;
-  EXPECT_FALSE(make_lvm_store(kVg, kConfig, lvm_.runner(), error));
+  EXPECT_FALSE(make_lvm_store(kVg, kConfig, lvm_.runner(), /*device_mapper=*/false, error));
   EXPECT_EQ(error.code.value(), ENOENT);
   EXPECT_NE(error.message.find("Volume group \"vg0\" not found"), std::string::npos)
       << error.message;
@@ -165,7 +175,7 @@ TEST_F(LvmStoreUnit, StartUpFailsWhenTheVolumeGroupIsMissing) {
 TEST_F(LvmStoreUnit, StartUpSaysWhenLvm2IsNotInstalled) {
   lvm_.answer("lvs", CommandResult{.status = -1, .exec_errno = ENOENT, .out = {}, .err = {}});
   StoreError error;
-  EXPECT_FALSE(make_lvm_store(kVg, kConfig, lvm_.runner(), error));
+  EXPECT_FALSE(make_lvm_store(kVg, kConfig, lvm_.runner(), /*device_mapper=*/false, error));
   EXPECT_EQ(error.code.value(), ENOSYS);
   EXPECT_NE(error.message.find("lvm2 is not installed"), std::string::npos) << error.message;
 }
@@ -404,6 +414,58 @@ TEST_F(LvmStoreUnit, RemoveReportsALvremoveFailure) {
   StoreError e = store->remove("a1", {});
   EXPECT_EQ(e.code.value(), EIO);
   EXPECT_NE(e.message.find("in use"), std::string::npos) << e.message;
+}
+
+// With device-mapper and no operator config there is no config at all: lvm2 refuses
+// `--config ""` ("Failed to set overridden configuration entries").
+TEST_F(LvmStoreUnit, WithDeviceMapperAndNoConfigNoConfigIsPassed) {
+  lvm_.config_ = "";
+  lvm_.answer("lvs", ok(lv_report("")));
+  StoreError error;
+  auto store = make_lvm_store(kVg, "", lvm_.runner(), /*device_mapper=*/true, error);
+  ASSERT_TRUE(store) << error.message;
+  lvm_.answer("lvcreate", ok());
+  EXPECT_FALSE(store->create("a1", 4 * 1024 * 1024));
+  for (const Argv& call : lvm_.take_calls()) {
+    EXPECT_EQ(std::find(call.begin(), call.end(), "--config"), call.end())
+        << ::testing::PrintToString(call);
+  }
+}
+
+// Without device-mapper and no operator config, activation=0 alone.
+TEST_F(LvmStoreUnit, WithoutDeviceMapperActivationIsOff) {
+  lvm_.config_ = "";
+  std::vector<std::string> seen;
+  StoreError error;
+  auto store = make_lvm_store(
+      kVg, "",
+      [&seen](const std::vector<std::string>& argv) {
+        seen = argv;
+        return ok(lv_report(""));
+      },
+      /*device_mapper=*/false, error);
+  ASSERT_TRUE(store) << error.message;
+  EXPECT_EQ(seen, (Argv{"lvs", "--config", "global{activation=0} ", "--reportformat", "json", "-o",
+                        "lv_name,lv_tags", kVg}));
+}
+
+// The kernel is asked, not the file system: a node with device-mapper's numbers and no driver
+// behind it (what installing lvm2 leaves on a kernel without device-mapper), another
+// device's node, and no node at all are all "no device-mapper".
+TEST(DeviceMapper, ANodeThatDoesNotAnswerIsNoDeviceMapper) {
+  EXPECT_FALSE(device_mapper_answers("/nonexistent/mapper/control"));
+  EXPECT_FALSE(device_mapper_answers("/dev/null"));
+  SHAREBLK_REQUIRE(testing::is_root(), "mknod needs root");
+  std::ifstream misc("/proc/misc");
+  bool kernel_has_it = false;
+  for (std::string line; std::getline(misc, line);) {
+    if (line.ends_with(" device-mapper")) kernel_has_it = true;
+  }
+  testing::TempDir dir;
+  const std::string node = dir / "control";
+  ASSERT_EQ(::mknod(node.c_str(), S_IFCHR | 0600, ::makedev(10, 236)), 0) << std::strerror(errno);
+  // On a kernel with device-mapper 10:236 is its node, and it answers.
+  EXPECT_EQ(device_mapper_answers(node), kernel_has_it);
 }
 
 }  // namespace
