@@ -31,6 +31,24 @@ int take_on(const Credentials& who, bool root) {
   return 0;
 }
 
+// One byte carrying one descriptor (SCM_RIGHTS), both ways of open_as's socket pair. Built in
+// place, with no allocation: the child fills it after fork().
+struct OneDescriptor {
+  char byte = 0;
+  iovec data{&byte, 1};
+  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
+  msghdr header{};
+
+  OneDescriptor() {
+    header.msg_iov = &data;
+    header.msg_iovlen = 1;
+    header.msg_control = control;
+    header.msg_controllen = sizeof control;
+  }
+  OneDescriptor(const OneDescriptor&) = delete;
+  OneDescriptor& operator=(const OneDescriptor&) = delete;
+};
+
 }  // namespace
 
 std::optional<Credentials> peer_of(int fd) {
@@ -97,32 +115,18 @@ int open_as(const Credentials& who, const std::string& path, int flags, mode_t m
   const int err = run_as(who, [&]() -> int {
     const int opened = ::open(name, flags | O_CLOEXEC, mode);
     if (opened < 0) return errno;
-    char byte = 0;
-    iovec iov{&byte, 1};
-    alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
-    msghdr msg{};
-    msg.msg_iov = &iov;
-    msg.msg_iovlen = 1;
-    msg.msg_control = control;
-    msg.msg_controllen = sizeof control;
-    cmsghdr* c = CMSG_FIRSTHDR(&msg);
+    OneDescriptor message;
+    cmsghdr* c = CMSG_FIRSTHDR(&message.header);
     c->cmsg_level = SOL_SOCKET;
     c->cmsg_type = SCM_RIGHTS;
     c->cmsg_len = CMSG_LEN(sizeof(int));
     std::memcpy(CMSG_DATA(c), &opened, sizeof(int));
-    return ::sendmsg(pair[1], &msg, MSG_NOSIGNAL) == 1 ? 0 : errno;
+    return ::sendmsg(pair[1], &message.header, MSG_NOSIGNAL) == 1 ? 0 : errno;
   });
   if (err == 0) {
-    char byte = 0;
-    iovec iov{&byte, 1};
-    alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
-    msghdr msg{};
-    msg.msg_iov = &iov;
-    msg.msg_iovlen = 1;
-    msg.msg_control = control;
-    msg.msg_controllen = sizeof control;
-    if (::recvmsg(pair[0], &msg, MSG_DONTWAIT | MSG_CMSG_CLOEXEC) == 1) {
-      const cmsghdr* c = CMSG_FIRSTHDR(&msg);
+    OneDescriptor message;
+    if (::recvmsg(pair[0], &message.header, MSG_DONTWAIT | MSG_CMSG_CLOEXEC) == 1) {
+      const cmsghdr* c = CMSG_FIRSTHDR(&message.header);
       if (c != nullptr && c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS) {
         std::memcpy(&fd, CMSG_DATA(c), sizeof(int));
       }
