@@ -292,26 +292,6 @@ int run(int argc, char** argv) {
                  "(docs/install.md, \"Hardening\")\n";
     return 2;
   }
-  if (!identity && ::geteuid() == 0) {
-    if (lvm_store) {
-      spdlog::info("running as root: the LVM store needs it");
-    } else {
-      spdlog::warn("running as root; --user USER drops privileges after binding");
-    }
-  }
-  // Every descriptor the hard limit allows; the metrics listener holds a bounded few of them
-  // (docs/metrics.md, "Bounds of the metrics endpoint"), the rest is for NBD, the control
-  // socket and volumes.
-  if (const cmd::OpenFilesLimit files = cmd::raise_open_files_limit(); files.error != 0) {
-    spdlog::warn("open files: cannot raise the soft limit ({}) to the hard one: {}", files.before,
-                 std::strerror(files.error));
-  } else if (files.now != files.before) {
-    spdlog::info("open files: at most {} (the hard limit; raised from {})", files.now,
-                 files.before);
-  } else {
-    spdlog::info("open files: at most {} (the hard limit)", files.now);
-  }
-
   target::ServerOptions options;
   if (vm.count("listen-unix"))
     options.listen_unix = vm["listen-unix"].as<std::vector<std::string>>();
@@ -367,6 +347,26 @@ int run(int argc, char** argv) {
   options.payload_timeout =
       std::chrono::milliseconds(vm["payload-timeout-ms"].as<cmd::Milliseconds>().value);
   options.tcp_send_buffer = vm["tcp-send-buffer-kib"].as<cmd::KiB>().value << 10;
+  // Logged once every option has been checked, so that a bad one is a single line.
+  if (!identity && ::geteuid() == 0) {
+    if (lvm_store) {
+      spdlog::info("running as root: the LVM store needs it");
+    } else {
+      spdlog::warn("running as root; --user USER drops privileges after binding");
+    }
+  }
+  // Every descriptor the hard limit allows; the metrics listener holds a bounded few of them
+  // (docs/metrics.md, "Bounds of the metrics endpoint"), the rest is for NBD, the control
+  // socket and volumes.
+  if (const cmd::OpenFilesLimit files = cmd::raise_open_files_limit(); files.error != 0) {
+    spdlog::warn("open files: cannot raise the soft limit ({}) to the hard one: {}", files.before,
+                 std::strerror(files.error));
+  } else if (files.now != files.before) {
+    spdlog::info("open files: at most {} (the hard limit; raised from {})", files.now,
+                 files.before);
+  } else {
+    spdlog::info("open files: at most {} (the hard limit)", files.now);
+  }
   sigset_t signals = block_signals();
   // Socket activation: the sockets a .socket unit passed replace the configured ones (one
   // config file serves both ways of starting; binding --listen-unix's path as well would take
