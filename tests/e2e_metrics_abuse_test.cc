@@ -35,22 +35,7 @@ using namespace std::chrono_literals;
 // A TCP connection to 127.0.0.1:port whose sends and receives (and connect) give up after
 // `timeout`; -1 when it cannot connect.
 int connect_to(int port, std::chrono::milliseconds timeout) {
-  const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (fd < 0) return -1;
-  timeval tv{};
-  tv.tv_sec = timeout.count() / 1000;
-  tv.tv_usec = (timeout.count() % 1000) * 1000;
-  ::setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
-  ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_port = htons(static_cast<uint16_t>(port));
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) {
-    ::close(fd);
-    return -1;
-  }
-  return fd;
+  return st::connect_loopback(port, timeout);
 }
 
 struct Reply {

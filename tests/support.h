@@ -25,6 +25,9 @@ bool in_ci();
   } while (0)
 
 bool have_program(const std::string& name);
+// A TCP connection to 127.0.0.1:port, -1 when it cannot connect. A `timeout` above zero bounds
+// its sends and receives (and the connect).
+int connect_loopback(int port, std::chrono::milliseconds timeout = std::chrono::milliseconds(0));
 bool is_root();
 // Whether the daemon under test has its crash and pause points (SHAREBLK_TEST_HOOKS, set by
 // the presets; a plain build has none, as an installed daemon must not).
