@@ -24,6 +24,7 @@
 #include <atomic>
 #include <cerrno>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <system_error>
@@ -47,10 +48,17 @@ enum IoFlag : uint32_t {
   kFastZero = 1 << 2,  // write-zeroes must be fast or fail with ENOTSUP
 };
 
+// Opens a device for a volume: `flags` are open(2)'s (O_RDWR or O_RDONLY, O_CLOEXEC, perhaps
+// O_DIRECT). Returns the descriptor, or -errno.
+using DeviceOpener = std::function<int(const std::string& path, int flags)>;
+
 struct OpenOptions {
   // O_DIRECT unless the file system refuses it or the file lives in memory (tmpfs, ramfs),
   // in which case the page cache is used: there it is the storage itself.
   bool direct = true;
+  // How the volume's files and devices are opened, now and when a remap adds one: open(2) when
+  // empty; the privileged helper's open when the daemon may not open them itself (privsep/).
+  DeviceOpener open_device;
 };
 
 // `length` bytes at `offset` of the file or block device at `path`: one piece of a volume
@@ -68,9 +76,9 @@ struct MappedSegment {
 class Volume {
  public:
   static std::shared_ptr<Volume> open(const std::string& path, std::error_code& ec,
-                                      OpenOptions options = {});
+                                      const OpenOptions& options = {});
   static std::shared_ptr<Volume> open_mapped(const std::vector<MappedSegment>& segments,
-                                             std::error_code& ec, OpenOptions options = {});
+                                             std::error_code& ec, const OpenOptions& options = {});
   // The first `size` bytes of `image`, known by `name` in logs ("rbd:POOL/IMAGE").
   static std::shared_ptr<Volume> open_remote(std::shared_ptr<RemoteImage> image,
                                              const std::string& name, uint64_t size);
@@ -88,6 +96,9 @@ class Volume {
   // has no IOCB_NOWAIT), so it would hand every request to a worker thread; the engine copies
   // their pages inline instead, which never waits for a device.
   bool in_memory() const { return in_memory_; }
+  // True when the daemon opened the backing by its path itself, so that another program it
+  // runs (qemu-img) could open that path too; false when a privileged helper opened it.
+  bool opened_by_path() const { return !open_device_; }
   // False when only a read-only descriptor could be opened.
   bool writable() const { return writable_; }
   // Offsets, lengths and buffer addresses that O_DIRECT accepts are multiples of this.
@@ -170,6 +181,7 @@ class Volume {
   std::atomic<size_t> segment_count_{0};
   std::shared_ptr<RemoteImage> remote_;
   std::atomic<int> home_worker_{-1};
+  DeviceOpener open_device_;  // empty: open(2)
 };
 
 // Whether one attachment may change the volume now (docs/fencing.md). Shared by every Handle of

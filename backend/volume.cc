@@ -21,10 +21,17 @@ namespace shareblk::backend {
 
 namespace {
 
-int open_fd(const std::string& path, int extra, bool& writable) {
-  int fd = ::open(path.c_str(), O_RDWR | O_CLOEXEC | extra);
+// Read-write where allowed, else read-only. Sets errno on failure, as open(2) does.
+int open_fd(const DeviceOpener& opener, const std::string& path, int extra, bool& writable) {
+  const auto open_one = [&](int flags) {
+    if (!opener) return ::open(path.c_str(), flags);
+    const int fd = opener(path, flags);
+    if (fd < 0) errno = -fd;
+    return fd < 0 ? -1 : fd;
+  };
+  int fd = open_one(O_RDWR | O_CLOEXEC | extra);
   if (fd < 0 && (errno == EACCES || errno == EROFS || errno == EPERM)) {
-    fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | extra);
+    fd = open_one(O_RDONLY | O_CLOEXEC | extra);
     if (fd >= 0) writable = false;
   }
   return fd;
@@ -56,13 +63,13 @@ int Volume::add_device(const std::string& path, bool direct, uint32_t& index) {
   Device& d = devices_[n];
   bool writable = true;
   d.path = path;
-  d.buffered_fd = open_fd(path, 0, writable);
+  d.buffered_fd = open_fd(open_device_, path, 0, writable);
   if (d.buffered_fd < 0) return errno;
   writable_ = writable_ && writable;
   d.direct_fd = d.buffered_fd;
   if (direct) {
     bool direct_writable = true;
-    int fd = open_fd(path, O_DIRECT, direct_writable);
+    int fd = open_fd(open_device_, path, O_DIRECT, direct_writable);
     if (fd >= 0) {
       d.direct_fd = fd;
     } else if (errno != EINVAL) {  // EINVAL: the file system has no O_DIRECT (tmpfs)
@@ -77,10 +84,11 @@ int Volume::add_device(const std::string& path, bool direct, uint32_t& index) {
 }
 
 std::shared_ptr<Volume> Volume::open(const std::string& path, std::error_code& ec,
-                                     OpenOptions options) {
+                                     const OpenOptions& options) {
   std::shared_ptr<Volume> v(new Volume());
   v->path_ = path;
-  v->in_memory_ = in_memory_file(path);
+  v->open_device_ = options.open_device;
+  v->in_memory_ = !options.open_device && in_memory_file(path);
   uint32_t index = 0;
   if (int err = v->add_device(path, options.direct && !v->in_memory_, index)) {
     ec.assign(err, std::generic_category());
@@ -123,9 +131,10 @@ std::shared_ptr<Volume> Volume::open(const std::string& path, std::error_code& e
 }
 
 std::shared_ptr<Volume> Volume::open_mapped(const std::vector<MappedSegment>& segments,
-                                            std::error_code& ec, OpenOptions options) {
+                                            std::error_code& ec, const OpenOptions& options) {
   std::shared_ptr<Volume> v(new Volume());
   v->mapped_ = true;
+  v->open_device_ = options.open_device;
   v->block_device_ = true;
   v->may_have_holes_ = false;
   v->direct_ = options.direct;

@@ -95,6 +95,9 @@ po::options_description daemon_options() {
      "told apart by their credentials")
     ("fuse-mount-root", po::value<std::string>()->default_value("/run/shareblk/mounts"),
      "FUSE attachments mount only on directories strictly below this one")
+    ("privileged-helper", po::value<std::string>(),
+     "reach lvm2, the LVM store's devices and FUSE mounts through the privileged helper "
+     "listening at SOCKET (the shareblk-helper service) instead of doing them itself")
     ("user", po::value<std::string>(),
      "once its sockets are bound and its state open, run as USER (a name or a uid), not root")
     ("group", po::value<std::string>(),

@@ -40,8 +40,8 @@ bool give_file(const std::filesystem::path& path, const Identity& id, std::strin
 // `error` when any step or check fails; the caller must then exit, not serve.
 //
 // The bounding set and no_new_privs are left as they are: the unit sets both
-// (CapabilityBoundingSet=, NoNewPrivileges=), and started by hand a daemon without root can still
-// run the setuid fusermount3 that libfuse mounts through.
+// (CapabilityBoundingSet=, NoNewPrivileges=). What needs root afterwards goes to the privileged
+// helper (privsep/), started before the drop.
 bool drop_to(const Identity& id, std::string& error);
 
 }  // namespace shareblk::cmd

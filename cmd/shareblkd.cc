@@ -29,8 +29,11 @@
 #include "cmd/privileges.h"
 #include "cmd/systemd.h"
 #include "control/control.h"
+#include "fuse/local_attach.h"
+#include "lvm/lvm2.h"
 #include "lvm/volume_store.h"
 #include "metrics/metrics.h"
+#include "privsep/privsep.h"
 #include "rbd/rbd_store.h"
 #include "target/target.h"
 
@@ -237,6 +240,44 @@ std::string advertised_tcp(const std::string& bound, const po::variables_map& vm
   return std::string(name) + ":" + port;
 }
 
+bool helper_device_mapper = false;  // what the privileged helper said at hello
+
+// The privileged helper: the one at --privileged-helper, or one started here (as root, before
+// --user drops it) from shareblk-helper beside this program. It must serve `wanted`'s volume
+// group, if any.
+bool start_helper(const po::variables_map& vm, const privsep::HelperConfig& wanted,
+                  const std::optional<cmd::Identity>& identity,
+                  std::shared_ptr<privsep::Helper>& helper, std::string& error) {
+  if (vm.count("privileged-helper")) {
+    helper = privsep::Helper::connect(vm["privileged-helper"].as<std::string>(), error);
+  } else {
+    std::error_code ec;
+    const auto self = std::filesystem::read_symlink("/proc/self/exe", ec);
+    if (ec) {
+      error = "cannot find shareblk-helper: /proc/self/exe: " + ec.message();
+      return false;
+    }
+    helper = privsep::Helper::start((self.parent_path() / "shareblk-helper").string(), wanted,
+                                    identity->uid, identity->gid, error);
+  }
+  if (!helper) return false;
+  std::string vg;
+  if (const int err = helper->hello(vg, helper_device_mapper, error)) {
+    error = "privileged helper: " + error + " (" + std::strerror(err) + ")";
+    return false;
+  }
+  if (vg != wanted.vg) {
+    error = "the privileged helper serves volume group '" + vg + "', this daemon's store is '" +
+            wanted.vg + "': give both the same --store";
+    return false;
+  }
+  spdlog::info("privileged helper: {}{}",
+               vm.count("privileged-helper") ? vm["privileged-helper"].as<std::string>()
+                                             : std::string("started"),
+               vg.empty() ? "" : " (volume group " + vg + ")");
+  return true;
+}
+
 int run(int argc, char** argv) {
   po::variables_map vm;
   std::vector<std::string> warnings;
@@ -286,10 +327,11 @@ int run(int argc, char** argv) {
     }
   }
   const bool lvm_store = !vm.count("export") && vm["store"].as<std::string>().starts_with("lvm:");
-  if (lvm_store && (identity || ::geteuid() != 0)) {
-    std::cerr << "shareblkd: --store lvm needs root until the privileged helper exists (lvm2's "
-                 "tools and the device-mapper): run shareblkd as root, without --user "
-                 "(docs/install.md, \"Hardening\")\n";
+  if (lvm_store && !identity && ::geteuid() != 0 && !vm.count("privileged-helper")) {
+    std::cerr << "shareblkd: --store lvm: lvm2 and the volume group's devices need root: give "
+                 "--privileged-helper SOCKET (the shareblk-helper service), or start shareblkd as "
+                 "root with --user, which starts its own helper (docs/security.md, \"The "
+                 "privileged helper\")\n";
     return 2;
   }
   target::ServerOptions options;
@@ -349,11 +391,7 @@ int run(int argc, char** argv) {
   options.tcp_send_buffer = vm["tcp-send-buffer-kib"].as<cmd::KiB>().value << 10;
   // Logged once every option has been checked, so that a bad one is a single line.
   if (!identity && ::geteuid() == 0) {
-    if (lvm_store) {
-      spdlog::info("running as root: the LVM store needs it");
-    } else {
-      spdlog::warn("running as root; --user USER drops privileges after binding");
-    }
+    spdlog::warn("running as root; --user USER drops privileges after binding");
   }
   // Every descriptor the hard limit allows; the metrics listener holds a bounded few of them
   // (docs/metrics.md, "Bounds of the metrics endpoint"), the rest is for NBD, the control
@@ -456,6 +494,19 @@ int run(int argc, char** argv) {
     for (auto& path : options.listen_unix) path = fs::absolute(path).lexically_normal().string();
     lvm::StoreError store_error;
     const std::string store_spec = vm["store"].as<std::string>();
+    // What needs root once the daemon has none: lvm2, the group's devices and FUSE mounts.
+    std::shared_ptr<privsep::Helper> helper;
+    if (identity || vm.count("privileged-helper")) {
+      privsep::HelperConfig wanted;
+      if (lvm_store) wanted.vg = store_spec.substr(4);
+      wanted.lvm_config = vm["lvm-config"].as<std::string>();
+      wanted.fuse_mount_root = vm["fuse-mount-root"].as<std::string>();
+      if (!start_helper(vm, wanted, identity, helper, error)) {
+        std::cerr << "shareblkd: " << error << "\n";
+        return 1;
+      }
+      fuse::use_mounter(helper->mounter());
+    }
     if (store_spec.rfind("rbd:", 0) == 0 && store_spec.size() > 4) {
       // The only store: a cluster out of reach is an error at start (docs/scale-out.md).
       rbd::ClusterOptions cluster;
@@ -472,8 +523,10 @@ int run(int argc, char** argv) {
       };
       store = rbd::make_rbd_store(cluster, store_error);
     } else {
+      const lvm::Lvm2 through_helper = helper ? helper->lvm2(helper_device_mapper) : lvm::Lvm2{};
       store = lvm::make_store(store_spec, state.string(), vm["lvm-config"].as<std::string>(),
-                              vm["preallocate"].as<bool>(), store_error);
+                              vm["preallocate"].as<bool>(), store_error,
+                              helper ? &through_helper : nullptr);
     }
     if (!store) {
       std::cerr << "shareblkd: " << store_error.message << "\n";

@@ -16,9 +16,11 @@
 #include <sys/sysmacros.h>
 #include <unistd.h>
 
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <mutex>
 #include <sstream>
 #include <thread>
 
@@ -31,17 +33,55 @@ constexpr char kDiskName[] = "disk";
 constexpr size_t kMaxIo = 1 << 20;
 constexpr unsigned kLoopThreads = 8;  // requests served at once per mount
 
-// The mountpoints in /proc/self/mountinfo whose file system type is ours.
-bool is_our_mount(const std::string& mountpoint) {
+// The device number of our mount (file system type fuse.shareblk) at `mountpoint`, from
+// /proc/self/mountinfo (proc(5): its third field), without asking the file system; 0 when
+// there is none. The last one listed is the one on top.
+dev_t our_mount(const std::string& mountpoint) {
   std::ifstream in("/proc/self/mountinfo");
   std::string line;
+  dev_t found = 0;
   while (std::getline(in, line)) {
     std::istringstream fields(line);
     std::string id, parent, dev, root, point;
     fields >> id >> parent >> dev >> root >> point;
-    if (point == mountpoint && line.find(" - fuse.shareblk ") != std::string::npos) return true;
+    unsigned major_number = 0;
+    unsigned minor_number = 0;
+    if (point == mountpoint && line.find(" - fuse.shareblk ") != std::string::npos &&
+        std::sscanf(dev.c_str(), "%u:%u", &major_number, &minor_number) == 2) {
+      found = makedev(major_number, minor_number);
+    }
   }
-  return false;
+  return found;
+}
+
+// Detaches whatever mount of ours is at `mountpoint` (one a killed daemon left).
+void clear_stale_mount(const std::string& mountpoint) {
+  if (our_mount(mountpoint) == 0) return;
+  if (::umount2(mountpoint.c_str(), MNT_DETACH) != 0) {
+    spdlog::warn("fuse: cannot detach the stale mount at {}: {}", mountpoint, std::strerror(errno));
+    return;
+  }
+  spdlog::info("fuse: detached a stale mount at {}", mountpoint);
+}
+
+class DirectMounter final : public Mounter {
+ public:
+  int mount(const std::string& mountpoint, const std::string& root, int& fuse_fd,
+            std::string& resolved, std::string& error) override {
+    return mount_fuse(mountpoint, root, ::getuid(), ::getgid(), fuse_fd, resolved, error);
+  }
+  int unmount(const std::string& resolved, const std::string& root, bool& lazily,
+              std::string& error) override {
+    return unmount_fuse(resolved, root, lazily, error);
+  }
+};
+
+std::mutex mounter_mutex;
+std::shared_ptr<Mounter> mounter_in_use;  // null: direct
+
+std::shared_ptr<Mounter> current_mounter() {
+  std::lock_guard lock(mounter_mutex);
+  return mounter_in_use ? mounter_in_use : direct_mounter();
 }
 
 // Aborting the connection fails every request still to come, even through a mount that
@@ -82,7 +122,6 @@ struct LocalAttach::Session {
   backend::Capabilities can{};
   fuse_session* se = nullptr;
   std::thread loop;
-  dev_t dev = 0;
 
   static Session& of(fuse_req_t req) { return *static_cast<Session*>(fuse_req_userdata(req)); }
 
@@ -284,14 +323,13 @@ fuse_lowlevel_ops make_ops() {
 
 }  // namespace
 
-bool clear_stale_mount(const std::string& mountpoint) {
-  if (!is_our_mount(mountpoint)) return false;
-  if (::umount2(mountpoint.c_str(), MNT_DETACH) != 0) {
-    spdlog::warn("fuse: cannot detach the stale mount at {}: {}", mountpoint, std::strerror(errno));
-    return false;
-  }
-  spdlog::info("fuse: detached a stale mount at {}", mountpoint);
-  return true;
+std::shared_ptr<Mounter> direct_mounter() {
+  return std::make_shared<DirectMounter>();
+}
+
+void use_mounter(std::shared_ptr<Mounter> mounter) {
+  std::lock_guard lock(mounter_mutex);
+  mounter_in_use = std::move(mounter);
 }
 
 int resolve_below(const std::string& mountpoint, const std::string& root, std::string& target,
@@ -322,57 +360,105 @@ int resolve_below(const std::string& mountpoint, const std::string& root, std::s
   return 0;
 }
 
-std::unique_ptr<LocalAttach> LocalAttach::mount(const std::string& mountpoint,
-                                                const std::string& root, backend::Handle handle,
-                                                std::string& error) {
+int mount_fuse(const std::string& mountpoint, const std::string& root, uid_t owner, gid_t group,
+               int& fuse_fd, std::string& resolved, std::string& error) {
   std::string checked;
-  if (resolve_below(mountpoint, root, checked, error) != 0) return nullptr;
+  if (const int err = resolve_below(mountpoint, root, checked, error)) return err;
   // Before the open below, which would otherwise find the stale mount's root.
   clear_stale_mount(checked);
   // The directory is opened once; what it is, and where, is read back from the descriptor.
   const int dir = ::open(checked.c_str(), O_PATH | O_DIRECTORY | O_CLOEXEC);
   if (dir < 0) {
+    const int err = errno;
     error = "mountpoint " + mountpoint + " is not a directory";
-    return nullptr;
+    return err;
   }
   const std::string through = "/proc/self/fd/" + std::to_string(dir);
   std::string opened;
   if (resolve_below(through, root, opened, error) != 0 || opened != checked) {
     ::close(dir);
     error = "mountpoint " + mountpoint + " changed while it was checked; try again";
-    return nullptr;
+    return EAGAIN;
   }
-  struct stat st {};
+  const int device = ::open("/dev/fuse", O_RDWR | O_CLOEXEC);
+  if (device < 0) {
+    const int err = errno;
+    ::close(dir);
+    error = std::string("cannot open /dev/fuse: ") + std::strerror(err);
+    return err;
+  }
+  // The options libfuse's own mount passes (fd, rootmode, user_id, group_id); the file system
+  // type and source make it "fuse.shareblk" in mountinfo, which our_mount() looks for.
+  const std::string options = "fd=" + std::to_string(device) +
+                              ",rootmode=40000,user_id=" + std::to_string(owner) +
+                              ",group_id=" + std::to_string(group) + ",allow_other";
+  const int mounted = ::mount("shareblk", through.c_str(), "fuse.shareblk",
+                              MS_NOSUID | MS_NODEV | MS_NOEXEC, options.c_str());
+  const int err = errno;
+  ::close(dir);
+  if (mounted != 0) {
+    ::close(device);
+    error = "cannot mount FUSE at " + checked + ": " + std::strerror(err);
+    return err;
+  }
+  fuse_fd = device;
+  resolved = checked;
+  return 0;
+}
+
+int unmount_fuse(const std::string& resolved, const std::string& root, bool& lazily,
+                 std::string& error) {
+  lazily = false;
+  std::string checked;
+  if (const int err = resolve_below(resolved, root, checked, error)) return err;
+  const dev_t dev = our_mount(checked);
+  if (dev == 0) {
+    error = "no FUSE mount of shareblk's at " + checked;
+    return ENOENT;
+  }
+  if (::umount2(checked.c_str(), UMOUNT_NOFOLLOW) != 0) {
+    lazily = true;  // busy: a loop device or an open file still holds it
+    if (::umount2(checked.c_str(), MNT_DETACH | UMOUNT_NOFOLLOW) != 0) {
+      const int err = errno;
+      error = "cannot unmount " + checked + ": " + std::strerror(err);
+      return err;
+    }
+  }
+  return abort_connection(dev) ? 0 : EIO;
+}
+
+std::unique_ptr<LocalAttach> LocalAttach::mount(const std::string& mountpoint,
+                                                const std::string& root, backend::Handle handle,
+                                                std::string& error) {
+  std::shared_ptr<Mounter> mounter = current_mounter();
+  int device = -1;
+  std::string checked;
+  if (mounter->mount(mountpoint, root, device, checked, error) != 0) return nullptr;
   std::unique_ptr<LocalAttach> attach(new LocalAttach());
   attach->mountpoint_ = checked;
+  attach->root_ = root;
+  attach->mounter_ = mounter;
   attach->session_ = std::make_unique<Session>();
   Session& s = *attach->session_;
   s.handle = std::move(handle);
   s.can = s.handle.capabilities();
 
-  // nosuid, nodev, noexec: whatever bytes a caller wrote into the volume, the mount never
-  // makes a set-uid program, a device node or an executable of them.
-  const char* argv[] = {"shareblkd", "-o",
-                        "fsname=shareblk,subtype=shareblk,allow_other,nosuid,nodev,noexec"};
-  fuse_args args = FUSE_ARGS_INIT(3, const_cast<char**>(argv));
+  const char* argv[] = {"shareblkd"};
+  fuse_args args = FUSE_ARGS_INIT(1, const_cast<char**>(argv));
   static const fuse_lowlevel_ops ops = make_ops();
   s.se = fuse_session_new(&args, &ops, sizeof ops, &s);
   fuse_opt_free_args(&args);
-  if (s.se == nullptr) {
-    ::close(dir);
-    error = "fuse_session_new failed";
-    return nullptr;
-  }
-  // Root mounts through the descriptor, onto the directory checked above. A daemon that is not
-  // root mounts through fusermount3, which resolves the path itself and mounts only where this
-  // user may write.
-  const std::string& where = ::geteuid() == 0 ? through : checked;
-  const int mounted = fuse_session_mount(s.se, where.c_str());
-  ::close(dir);
-  if (mounted != 0) {
-    fuse_session_destroy(s.se);
+  // The connection is mounted already: libfuse takes its descriptor ("/dev/fd/N") and owns it
+  // from here on.
+  const std::string connection = "/dev/fd/" + std::to_string(device);
+  if (s.se == nullptr || fuse_session_mount(s.se, connection.c_str()) != 0) {
+    if (s.se != nullptr) fuse_session_destroy(s.se);
     s.se = nullptr;
-    error = "cannot mount FUSE at " + checked + " (is /dev/fuse there?)";
+    ::close(device);
+    bool lazily = false;
+    std::string ignored;
+    mounter->unmount(checked, root, lazily, ignored);
+    error = "cannot serve the FUSE mount at " + checked;
     return nullptr;
   }
   s.loop = std::thread([&s] {
@@ -383,8 +469,6 @@ std::unique_ptr<LocalAttach> LocalAttach::mount(const std::string& mountpoint,
     fuse_session_loop_mt(s.se, config);
     fuse_loop_cfg_destroy(config);
   });
-  // Only now: stat on the mount is a FUSE request, which the loop above must answer.
-  if (::stat(checked.c_str(), &st) == 0) s.dev = st.st_dev;
   return attach;
 }
 
@@ -392,17 +476,16 @@ bool LocalAttach::unmount() {
   Session& s = *session_;
   if (s.se == nullptr) return false;
   bool lazy = false;
-  if (::umount2(mountpoint_.c_str(), 0) != 0) {
-    lazy = true;  // busy: a loop device or an open file still holds it
-    ::umount2(mountpoint_.c_str(), MNT_DETACH);
+  std::string error;
+  if (mounter_->unmount(mountpoint_, root_, lazy, error) != 0) {
+    spdlog::error("fuse: {}", error);
   }
-  if (s.dev != 0) abort_connection(s.dev);
   fuse_session_exit(s.se);
   if (s.loop.joinable()) s.loop.join();
   // libfuse frees its copy of the mountpoint only in fuse_session_unmount(), which also
-  // unmounts that path (lazily) unless the connection has ended, and by now the path may hold
-  // another mount. The connection has ended once the unmount or the abort above went through
-  // (the device then polls POLLERR); only then is that call harmless.
+  // unmounts that path (lazily) unless the connection has ended. The connection has ended once
+  // the unmount or the abort above went through (the device then polls POLLERR); only then is
+  // that call harmless.
   pollfd device{fuse_session_fd(s.se), 0, 0};
   if (::poll(&device, 1, 0) == 1 && (device.revents & POLLERR)) fuse_session_unmount(s.se);
   fuse_session_destroy(s.se);

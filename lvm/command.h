@@ -7,14 +7,9 @@
 #include <string_view>
 #include <vector>
 
-namespace shareblk::lvm {
+#include "lvm/lvm2.h"
 
-struct CommandResult {
-  int status = -1;     // exit code; -1 when it could not run or was killed
-  int exec_errno = 0;  // ENOENT when the program is not installed
-  std::string out;
-  std::string err;
-};
+namespace shareblk::lvm {
 
 // `input`: a descriptor the program gets as its standard input (/dev/null when -1).
 CommandResult run_command(const std::vector<std::string>& argv,
@@ -27,9 +22,5 @@ using OutputWatcher = std::function<bool(std::string_view chunk)>;
 // convert): its stdout goes to `on_out` instead of CommandResult::out.
 CommandResult run_command_watched(const std::vector<std::string>& argv, const OutputWatcher& on_out,
                                   int input = -1);
-
-// How the LVM store runs lvm2's tools: run_command for the daemon, a fake in the store's unit
-// tests. argv[0] is the tool ("lvcreate", "lvs", ...).
-using CommandRunner = std::function<CommandResult(const std::vector<std::string>& argv)>;
 
 }  // namespace shareblk::lvm

@@ -7,6 +7,7 @@
 
 #include <filesystem>
 
+#include "lvm/lvm2.h"
 #include "lvm/volume_store.h"
 
 namespace shareblk::lvm {
@@ -198,12 +199,12 @@ std::unique_ptr<VolumeStore> make_file_store(const std::string& dir, bool preall
 
 std::unique_ptr<VolumeStore> make_store(const std::string& spec, const std::string& state_dir,
                                         const std::string& lvm_config, bool preallocate,
-                                        StoreError& error) {
+                                        StoreError& error, const Lvm2* lvm2) {
   if (spec == "file") {
     return make_file_store((fs::path(state_dir) / "volumes").string(), preallocate, error);
   }
   if (spec.rfind("lvm:", 0) == 0 && spec.size() > 4) {
-    return make_lvm_store(spec.substr(4), lvm_config, error);
+    return make_lvm_store(spec.substr(4), lvm2 != nullptr ? *lvm2 : local_lvm2(lvm_config), error);
   }
   error = {std::make_error_code(std::errc::invalid_argument),
            "--store wants 'file', 'lvm:VG' or 'rbd:POOL', got '" + spec + "'"};

@@ -90,6 +90,12 @@ StoreError fill_from_image(const backend::Volume& volume, const ImageSource& sou
   if (volume.remote()) {
     return failure(ENOTSUP, volume.path() + " is a remote image; qemu-img fills local ones only");
   }
+  if (!volume.opened_by_path()) {
+    return failure(ENOTSUP,
+                   "the volume's devices were opened for the daemon by its privileged helper, "
+                   "and qemu-img cannot open them; create the volume empty and write the image "
+                   "through an attachment (qemu-img convert -n IMAGE nbd+unix://...)");
+  }
   if (layout.size() != 1) {
     return failure(ENOTSUP, "the volume lies in " + std::to_string(layout.size()) +
                                 " pieces; qemu-img can fill one only");

@@ -12,10 +12,13 @@
 #include <sys/ioctl.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <map>
 #include <mutex>
 #include <nlohmann/json.hpp>
+#include <set>
+#include <string_view>
 
 #include "lvm/lvm_store.h"
 
@@ -69,17 +72,8 @@ uint64_t as_u64(const Json& v) {
 
 class LvmVolumeStore final : public VolumeStore {
  public:
-  LvmVolumeStore(std::string vg, std::string extra_config, CommandRunner run_lvm,
-                 bool device_mapper)
-      : vg_(std::move(vg)),
-        config_(std::move(extra_config)),
-        run_lvm_(std::move(run_lvm)),
-        activation_(device_mapper) {
-    // lvm2 complains about every descriptor it inherits from whoever started the daemon;
-    // its complaints would bury the message an operator needs.
-    ::setenv("LVM_SUPPRESS_FD_WARNINGS", "1", 0);
-    // Without device-mapper nothing can be activated: tell lvm2 not to try.
-    if (!activation_) config_ = "global{activation=0} " + config_;
+  LvmVolumeStore(std::string vg, Lvm2 lvm2) : vg_(std::move(vg)), lvm2_(std::move(lvm2)) {
+    open_options_.open_device = lvm2_.open_device;
   }
 
   std::string kind() const override { return "lvm:" + vg_; }
@@ -137,8 +131,8 @@ class LvmVolumeStore final : public VolumeStore {
     std::string block_device;
     if (StoreError e = layout(id, size, segments, block_device)) return e;
     std::error_code ec;
-    out = block_device.empty() ? backend::Volume::open_mapped(segments, ec)
-                               : backend::Volume::open(block_device, ec);
+    out = block_device.empty() ? backend::Volume::open_mapped(segments, ec, open_options_)
+                               : backend::Volume::open(block_device, ec, open_options_);
     if (!out) return failure(ec.value(), "open " + lv(id) + ": " + ec.message());
     return {};
   }
@@ -187,9 +181,9 @@ class LvmVolumeStore final : public VolumeStore {
   StoreError zero(const std::string& id, const std::vector<backend::MappedSegment>& segments,
                   const std::string& block_device, const Progress& progress) {
     std::error_code ec;
-    std::shared_ptr<backend::Volume> volume = block_device.empty()
-                                                  ? backend::Volume::open_mapped(segments, ec)
-                                                  : backend::Volume::open(block_device, ec);
+    std::shared_ptr<backend::Volume> volume =
+        block_device.empty() ? backend::Volume::open_mapped(segments, ec, open_options_)
+                             : backend::Volume::open(block_device, ec, open_options_);
     if (!volume) return failure(ec.value(), "open " + lv(id) + " to zero it: " + ec.message());
     backend::Handle handle(volume, backend::AttachMode::ReadWrite);
     const uint64_t total = volume->size();
@@ -212,10 +206,7 @@ class LvmVolumeStore final : public VolumeStore {
     return {};
   }
 
-  CommandResult lvm(std::vector<std::string> argv) {
-    if (!config_.empty()) argv.insert(argv.begin() + 1, {"--config", config_});
-    return run_lvm_(argv);
-  }
+  CommandResult lvm(const std::vector<std::string>& argv) { return lvm2_.run(argv); }
 
   // Where the bytes of `id`'s first `size` bytes are: its block device when device-mapper
   // has it, else the segment map. Refuses LVs that are not ours and segment types we cannot
@@ -244,7 +235,7 @@ class LvmVolumeStore final : public VolumeStore {
                                    std::string(kTag) + "' tag); refusing to use it");
       }
       const std::string dev = "/dev/" + vg_ + "/" + lv(id);
-      if (activation_ && ::access(dev.c_str(), F_OK) == 0) {
+      if (lvm2_.device_mapper && ::access(dev.c_str(), F_OK) == 0) {
         block_device = dev;
         return {};
       }
@@ -290,10 +281,9 @@ class LvmVolumeStore final : public VolumeStore {
   }
 
   std::string vg_;
-  std::string config_;
-  CommandRunner run_lvm_;
-  bool activation_;   // device-mapper answers: lvm2 may activate
-  std::mutex mutex_;  // one lvm2 command of ours at a time
+  Lvm2 lvm2_;
+  backend::OpenOptions open_options_;  // through lvm2_.open_device
+  std::mutex mutex_;                   // one lvm2 command of ours at a time
 };
 
 }  // namespace
@@ -309,23 +299,161 @@ bool device_mapper_answers(const std::string& control) {
   return answered;
 }
 
-std::unique_ptr<VolumeStore> make_lvm_store(const std::string& vg, const std::string& config,
-                                            StoreError& error) {
-  return make_lvm_store(
-      vg, config, [](const std::vector<std::string>& argv) { return run_command(argv); },
-      device_mapper_answers(), error);
+Lvm2 configured_lvm2(const std::string& config, CommandRunner run_lvm, bool device_mapper) {
+  // lvm2 complains about every descriptor it inherits from whoever started the daemon; its
+  // complaints would bury the message an operator needs.
+  ::setenv("LVM_SUPPRESS_FD_WARNINGS", "1", 0);
+  // Without device-mapper nothing can be activated: tell lvm2 not to try.
+  const std::string full = device_mapper ? config : "global{activation=0} " + config;
+  Lvm2 lvm2;
+  lvm2.device_mapper = device_mapper;
+  lvm2.run = [full, run_lvm = std::move(run_lvm)](const std::vector<std::string>& argv) {
+    std::vector<std::string> with = argv;
+    if (!full.empty() && !with.empty()) with.insert(with.begin() + 1, {"--config", full});
+    return run_lvm(with);
+  };
+  return lvm2;
+}
+
+Lvm2 local_lvm2(const std::string& config) {
+  return configured_lvm2(
+      config, [](const std::vector<std::string>& argv) { return run_command(argv); },
+      device_mapper_answers());
 }
 
 std::unique_ptr<VolumeStore> make_lvm_store(const std::string& vg, const std::string& config,
                                             CommandRunner run_lvm, bool device_mapper,
                                             StoreError& error) {
-  auto store = std::make_unique<LvmVolumeStore>(vg, config, std::move(run_lvm), device_mapper);
+  return make_lvm_store(vg, configured_lvm2(config, std::move(run_lvm), device_mapper), error);
+}
+
+std::unique_ptr<VolumeStore> make_lvm_store(const std::string& vg, Lvm2 lvm2, StoreError& error) {
+  auto store = std::make_unique<LvmVolumeStore>(vg, std::move(lvm2));
   std::vector<std::string> ids;
   if (StoreError e = store->list(ids)) {  // the VG must exist and lvm2 must answer
     error = e;
     return nullptr;
   }
   return store;
+}
+
+namespace {
+
+// "volume-" and a lowercase UUID: the names the store gives its LVs (control/ makes the ids).
+bool is_volume_lv(std::string_view name) {
+  constexpr std::string_view kPrefix = "volume-";
+  if (!name.starts_with(kPrefix)) return false;
+  const std::string_view id = name.substr(kPrefix.size());
+  if (id.size() != 36) return false;
+  for (size_t i = 0; i < id.size(); ++i) {
+    const bool dash = i == 8 || i == 13 || i == 18 || i == 23;
+    const char c = id[i];
+    if (dash ? c != '-' : !((c >= '0' && c <= '9') || (c >= 'a' && c <= 'f'))) return false;
+  }
+  return true;
+}
+
+bool is_size_in_bytes(std::string_view text) {
+  if (text.size() < 2 || text.size() > 21 || text.back() != 'b') return false;
+  return std::all_of(text.begin(), text.end() - 1, [](char c) { return c >= '0' && c <= '9'; });
+}
+
+// The report fields the store asks lvs and pvs for.
+bool is_report_fields(std::string_view list) {
+  static const std::set<std::string_view> kFields = {
+      "lv_name",  "lv_tags",       "lv_size", "segtype",  "seg_start",
+      "seg_size", "seg_pe_ranges", "pv_name", "pe_start", "vg_extent_size"};
+  while (true) {
+    const size_t comma = list.find(',');
+    if (kFields.count(list.substr(0, comma)) == 0) return false;
+    if (comma == std::string_view::npos) return true;
+    list.remove_prefix(comma + 1);
+  }
+}
+
+}  // namespace
+
+bool check_lvm2_request(const std::string& vg, const std::vector<std::string>& argv,
+                        std::string& why) {
+  const auto refuse = [&](const std::string& what) {
+    why = what;
+    return false;
+  };
+  if (argv.empty()) return refuse("an empty command");
+  const std::string& tool = argv[0];
+  static const std::set<std::string> kTools = {"lvs", "pvs", "lvcreate", "lvextend", "lvremove"};
+  if (kTools.count(tool) == 0) return refuse("'" + tool + "' is not a command the LVM store runs");
+  const std::string lv_prefix = vg + "/";
+  std::vector<std::string> positional;
+  bool named = false;
+  bool selected = false;
+  for (size_t i = 1; i < argv.size(); ++i) {
+    const std::string& arg = argv[i];
+    if (arg == "-y" || arg == "-Zn" || arg == "-an" || arg == "--nosuffix" || arg == "--segments") {
+      continue;
+    }
+    const bool has_value = arg == "--addtag" || arg == "-n" || arg == "-L" ||
+                           arg == "--reportformat" || arg == "--units" || arg == "-o" ||
+                           arg == "-S";
+    if (!has_value) {
+      if (!arg.empty() && arg[0] == '-') return refuse("option '" + arg + "' is not the store's");
+      positional.push_back(arg);
+      continue;
+    }
+    if (++i == argv.size()) return refuse("option '" + arg + "' has no value");
+    const std::string& value = argv[i];
+    const bool ok =
+        (arg == "--addtag" && value == kTag) || (arg == "-n" && (named = is_volume_lv(value))) ||
+        (arg == "-L" && is_size_in_bytes(value)) || (arg == "--reportformat" && value == "json") ||
+        (arg == "--units" && value == "b") || (arg == "-o" && is_report_fields(value)) ||
+        (arg == "-S" && (selected = value == "vg_name=" + vg));
+    if (!ok) return refuse("'" + arg + "' with '" + value + "' is not the store's");
+  }
+  // Each tool acts on the group or on one of its volumes' LVs, never on anything else: an
+  // lvremove of the bare group would remove every LV in it.
+  const auto one_lv = positional.size() == 1 && positional[0].starts_with(lv_prefix) &&
+                      is_volume_lv(std::string_view(positional[0]).substr(lv_prefix.size()));
+  const auto the_group = positional.size() == 1 && positional[0] == vg;
+  bool shaped = false;
+  if (tool == "lvs") shaped = one_lv || the_group;
+  if (tool == "pvs") shaped = positional.empty() && selected;
+  if (tool == "lvcreate") shaped = the_group && named;
+  if (tool == "lvextend" || tool == "lvremove") shaped = one_lv;
+  if (!shaped) return refuse(tool + " may act on volume group " + vg + " and its volume LVs only");
+  return true;
+}
+
+StoreError physical_volumes(const Lvm2& lvm2, const std::string& vg,
+                            std::vector<std::string>& out) {
+  CommandResult r =
+      lvm2.run({"pvs", "--reportformat", "json", "-o", "pv_name", "-S", "vg_name=" + vg});
+  if (r.status != 0) return classify("pvs " + vg, r);
+  try {
+    const Json report = Json::parse(r.out);  // named: a range-for would not keep a temporary
+    for (const Json& pv : report.at("report").at(0).at("pv")) {
+      out.push_back(pv.at("pv_name").get<std::string>());
+    }
+  } catch (const std::exception& e) {
+    return failure(EIO, std::string("pvs: unexpected report: ") + e.what());
+  }
+  return {};
+}
+
+bool check_lvm2_device(const std::string& vg, const std::vector<std::string>& physical_volumes,
+                       const std::string& path, int flags, std::string& why) {
+  const int access = flags & O_ACCMODE;
+  if ((flags & ~(O_ACCMODE | O_CLOEXEC | O_DIRECT)) != 0 ||
+      (access != O_RDWR && access != O_RDONLY)) {
+    why = "open flags " + std::to_string(flags) + " are not the store's";
+    return false;
+  }
+  const std::string lv_prefix = "/dev/" + vg + "/";
+  if (path.starts_with(lv_prefix) && is_volume_lv(std::string_view(path).substr(lv_prefix.size())))
+    return true;
+  if (std::find(physical_volumes.begin(), physical_volumes.end(), path) != physical_volumes.end())
+    return true;
+  why = path + " is neither a physical volume of " + vg + " nor one of its volumes' LVs";
+  return false;
 }
 
 }  // namespace shareblk::lvm

@@ -10,16 +10,13 @@
 
 namespace shareblk::lvm {
 
-// Whether the kernel's device-mapper answers at `control`: the node opens and the DM_VERSION
-// ioctl succeeds (which needs CAP_SYS_ADMIN, as lvm2 does). A node without the driver behind
-// it -- lvm2's postinst makes /dev/mapper/control on kernels that have none -- does not.
-bool device_mapper_answers(const std::string& control = "/dev/mapper/control");
-
-// make_lvm_store() of volume_store.h, with every lvm2 command going through `run_lvm` instead
+// The Lvm2 that local_lvm2(config) makes, with every command going through `run_lvm` instead
 // of run_command, and `device_mapper` (device_mapper_answers() there) given instead of asked.
-// Without device-mapper the store's config starts with global{activation=0}. Commands are
-// argv[0], then "--config" and the store's config when it has any (lvm2 refuses an empty
-// one), then the rest.
+// Without device-mapper the config starts with global{activation=0}. Commands are argv[0],
+// then "--config" and the config when it has any (lvm2 refuses an empty one), then the rest.
+Lvm2 configured_lvm2(const std::string& config, CommandRunner run_lvm, bool device_mapper);
+
+// make_lvm_store(vg, configured_lvm2(config, run_lvm, device_mapper), error).
 std::unique_ptr<VolumeStore> make_lvm_store(const std::string& vg, const std::string& config,
                                             CommandRunner run_lvm, bool device_mapper,
                                             StoreError& error);

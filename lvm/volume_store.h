@@ -116,16 +116,14 @@ StoreError copy_volume(const backend::Volume& from, const backend::Volume& to, u
 std::unique_ptr<VolumeStore> make_file_store(const std::string& dir, bool preallocate,
                                              StoreError& error);
 
-// Volumes as logical volumes `volume-<id>` tagged "shareblk" in volume group `vg`. lvm2 runs
-// with `config` added to its --config (and activation off where there is no device-mapper).
-std::unique_ptr<VolumeStore> make_lvm_store(const std::string& vg, const std::string& config,
-                                            StoreError& error);
+struct Lvm2;
 
 // Parses `--store`: "file" (volumes under `state_dir`/volumes) or "lvm:VG". `preallocate`
-// is the file store's (an LV always has all its extents).
+// is the file store's (an LV always has all its extents). The LVM store reaches lvm2 through
+// `lvm2` (lvm/lvm2.h), or by itself with `lvm_config` when that is null.
 std::unique_ptr<VolumeStore> make_store(const std::string& spec, const std::string& state_dir,
                                         const std::string& lvm_config, bool preallocate,
-                                        StoreError& error);
+                                        StoreError& error, const Lvm2* lvm2 = nullptr);
 
 // A disk image that a new volume is filled from (volume_create's `from_image`).
 struct ImageInfo {

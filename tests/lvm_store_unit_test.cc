@@ -1,6 +1,7 @@
 // The LVM store driven through a fake lvm2: the commands it issues for each operation, how it
 // reads lvm2's JSON reports, and which errno each of lvm2's failures becomes. lvm2's words
 // here are what lvm2 2.03.16 (Debian 12) prints; e2e_lvm_tests runs the real thing.
+#include <fcntl.h>
 #include <gtest/gtest.h>
 #include <sys/stat.h>
 #include <sys/sysmacros.h>
@@ -466,6 +467,60 @@ TEST(DeviceMapper, ANodeThatDoesNotAnswerIsNoDeviceMapper) {
   ASSERT_EQ(::mknod(node.c_str(), S_IFCHR | 0600, ::makedev(10, 236)), 0) << std::strerror(errno);
   // On a kernel with device-mapper 10:236 is its node, and it answers.
   EXPECT_EQ(device_mapper_answers(node), kernel_has_it);
+}
+
+// The privileged helper runs a command for the store only when check_lvm2_request() allows it:
+// every command the store issues must pass, and the near misses must not.
+TEST_F(LvmStoreUnit, EveryCommandTheStoreIssuesIsOneThePrivilegedHelperAllows) {
+  const std::string id = "0b6c1a2e-3f4d-4e5f-8a9b-0c1d2e3f4a5b";
+  auto store = make_store();
+  lvm_.answer("lvcreate", ok());
+  EXPECT_FALSE(store->create(id, 5 * 1024 * 1024));
+  lvm_.answer("lvs", ok(lv_report(R"({"lv_size":"8388608"})")));
+  lvm_.answer("lvextend", ok());
+  EXPECT_FALSE(store->extend(id, 9 * 1024 * 1024));
+  lvm_.answer("lvs", ok(lv_report("")));
+  std::vector<std::string> ids;
+  EXPECT_FALSE(store->list(ids));
+  std::vector<Argv> calls = lvm_.take_calls();
+  calls.insert(calls.end(), {kListCall,
+                             lvs_segments_call(id),
+                             kPvsCall,
+                             {"lvremove", "-y", std::string(kVg) + "/volume-" + id},
+                             {"pvs", "--reportformat", "json", "-o", "pv_name", "-S",
+                              std::string("vg_name=") + kVg}});
+  for (const Argv& call : calls) {
+    std::string why;
+    EXPECT_TRUE(check_lvm2_request(kVg, call, why)) << ::testing::PrintToString(call) << why;
+  }
+  const std::vector<Argv> refused = {
+      {"lvremove", "-y", kVg},
+      {"lvcreate", "-y", "-n", "volume-" + id, "-L", "1b", "other"},
+      {"lvs", std::string(kVg) + "/volume-A1"},
+      {"lvs", "--config", "x", kVg},
+      {"lvs", "-o", "lv_name,lv_path", kVg},
+      {"pvs", "-S", "vg_name=other"},
+      {"lvextend", "-L", "+100%FREE", std::string(kVg) + "/volume-" + id},
+  };
+  for (const Argv& call : refused) {
+    std::string why;
+    EXPECT_FALSE(check_lvm2_request(kVg, call, why)) << ::testing::PrintToString(call);
+    EXPECT_FALSE(why.empty());
+  }
+}
+
+TEST(LvmDevices, OnlyTheGroupsPhysicalVolumesAndVolumeLvsOpen) {
+  const std::vector<std::string> pvs = {"/dev/loop7"};
+  const std::string lv = "/dev/vg0/volume-0b6c1a2e-3f4d-4e5f-8a9b-0c1d2e3f4a5b";
+  std::string why;
+  EXPECT_TRUE(check_lvm2_device("vg0", pvs, "/dev/loop7", O_RDWR | O_DIRECT | O_CLOEXEC, why));
+  EXPECT_TRUE(check_lvm2_device("vg0", pvs, lv, O_RDONLY, why));
+  EXPECT_FALSE(check_lvm2_device("vg0", pvs, "/dev/loop8", O_RDONLY, why));
+  EXPECT_FALSE(check_lvm2_device("vg0", pvs, "/dev/vg0/../../etc/shadow", O_RDONLY, why));
+  EXPECT_FALSE(check_lvm2_device("vg0", pvs, "/dev/vg1/volume-0b6c1a2e-3f4d-4e5f-8a9b-0c1d2e3f4a5b",
+                                 O_RDONLY, why));
+  EXPECT_FALSE(check_lvm2_device("vg0", pvs, "/dev/loop7", O_RDWR | O_TRUNC, why));
+  EXPECT_FALSE(check_lvm2_device("vg0", pvs, "/dev/loop7", O_WRONLY | O_CREAT, why));
 }
 
 }  // namespace

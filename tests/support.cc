@@ -186,6 +186,10 @@ std::string Daemon::binary() {
   return SHAREBLKD_PATH;
 }
 
+std::string Daemon::helper_binary() {
+  return SHAREBLK_HELPER_PATH;
+}
+
 Daemon::Daemon(const std::vector<std::string>& args, const std::string& ready_socket,
                const std::vector<std::string>& launcher) {
   log_ = ready_socket + ".log";

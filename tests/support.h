@@ -74,6 +74,8 @@ int wait_exit(pid_t pid, std::chrono::seconds timeout);
 class Daemon {
  public:
   static std::string binary();
+  // The privileged helper built with it (shareblk-helper).
+  static std::string helper_binary();
   // `launcher`, when given, runs first and must exec the daemon's argv that follows it (prlimit,
   // capsh), so that pid() stays the daemon's.
   Daemon(const std::vector<std::string>& args, const std::string& ready_socket,

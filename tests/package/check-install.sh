@@ -21,13 +21,14 @@ check() { # what, then a command that must succeed
   if ! "$@"; then echo "FAIL: $what" >&2; fail=1; fi
 }
 plugin=$(cd "$p" && find lib -name nbdkit-shareblk-plugin.so)
-expected=$(printf '%s\n' bin/shareblk sbin/shareblkd "$plugin" \
+expected=$(printf '%s\n' bin/shareblk sbin/shareblkd sbin/shareblk-helper "$plugin" \
   lib/systemd/system/shareblkd.service lib/systemd/system/shareblkd.socket \
-  lib/systemd/system/shareblkd-nbd.socket etc/shareblk/shareblkd.conf \
+  lib/systemd/system/shareblkd-nbd.socket lib/systemd/system/shareblk-helper.service \
+  lib/systemd/system/shareblk-helper.socket etc/shareblk/shareblkd.conf \
   share/man/man1/shareblk.1 share/man/man8/shareblkd.8 \
   share/bash-completion/completions/shareblk share/bash-completion/completions/shareblkd \
-  share/doc/shareblk/install.md share/doc/shareblk/examples/fuse-local-attach.conf \
-  share/doc/shareblk/examples/lvm-store.conf lib/sysusers.d/shareblk.conf | sort)
+  share/doc/shareblk/install.md share/doc/shareblk/examples/privileged-helper.conf \
+  lib/sysusers.d/shareblk.conf | sort)
 actual=$(cd "$p" && find . -type f -printf '%P\n' | sort)
 check "installed files: expected vs actual:
 $(diff <(echo "$expected") <(echo "$actual"))" test "$expected" = "$actual"
@@ -43,7 +44,8 @@ check "the unit is Type=notify with a watchdog" \
   grep -q -e "^Type=notify$" -e "^WatchdogSec=" "$unit"
 if command -v systemd-analyze >/dev/null; then
   check "systemd-analyze verify" systemd-analyze verify --man=no "$unit" \
-    "$p/lib/systemd/system/shareblkd.socket" "$p/lib/systemd/system/shareblkd-nbd.socket"
+    "$p/lib/systemd/system/shareblkd.socket" "$p/lib/systemd/system/shareblkd-nbd.socket" \
+    "$p/lib/systemd/system/shareblk-helper.service" "$p/lib/systemd/system/shareblk-helper.socket"
 elif [ "${CI:-}" = true ]; then
   check "systemd-analyze is installed (required under CI)" false
 fi

@@ -4,7 +4,8 @@
 # `systemctl start shareblkd` brings the daemon up (Type=notify: start returns once it is
 # READY), `shareblk volume-list` answers, the watchdog is fed, with the socket units the first
 # client starts it, the daemon runs as the user shareblk without capabilities, and FUSE local
-# attach reaches the host with the documented drop-in.
+# attach reaches the host with the documented drop-in, through the privileged helper, the daemon
+# still without capabilities.
 # The container is started and stopped by pid in a temp dir, on a private network.
 # Usage: check-systemd.sh BUILD_DIR VERSION. Exit 77: no root or systemd-nspawn (not under CI).
 set -euo pipefail
@@ -97,9 +98,14 @@ fuse_disk() { # NAME: a volume and a FUSE attachment at $mounts/NAME; does the h
 }
 echo "probe: FUSE disk seen by the host, hardened unit: $(fuse_disk hardened)"
 mkdir -p /etc/systemd/system/shareblkd.service.d
-cp /usr/share/doc/shareblk/examples/fuse-local-attach.conf /etc/systemd/system/shareblkd.service.d/
+cp /usr/share/doc/shareblk/examples/privileged-helper.conf /etc/systemd/system/shareblkd.service.d/
 systemctl daemon-reload && systemctl restart shareblkd
 echo "probe: FUSE disk seen by the host, with the drop-in: $(fuse_disk dropin)"
+pid=$(systemctl show -p MainPID --value shareblkd)
+echo "probe: with the helper, the daemon runs as $(ps -o user= -p "$pid") with CapEff $(sed -n 's/^CapEff:\t//p' "/proc/$pid/status")"
+helper=$(systemctl show -p MainPID --value shareblk-helper)
+echo "probe: the helper runs as $(ps -o user= -p "$helper")"
+journalctl -u shareblk-helper --no-pager | tail -5
 journalctl -u shareblkd --no-pager | tail -20
 echo "probe: done"
 PROBE
@@ -127,7 +133,9 @@ for line in "probe: installed" "probe: started" "ActiveState=active" "SubState=r
   "probe: watchdog 1s 0 active" \
   "probe: stopped (inactive)" "probe: sockets listening" "probe: activated volume-list answered" \
   "probe: after activation active" "probe: FUSE disk seen by the host, hardened unit: no" \
-  "probe: FUSE disk seen by the host, with the drop-in: yes" "probe: done"; do
+  "probe: FUSE disk seen by the host, with the drop-in: yes" \
+  "probe: with the helper, the daemon runs as shareblk with CapEff 0000000000000000" \
+  "probe: the helper runs as root" "probe: done"; do
   grep -qF -- "$line" <<<"$log" || { echo "FAIL: the probe did not say: $line"; fail=1; }
 done
 echo "--- probe log"; echo "$log"
