@@ -3,6 +3,7 @@
 // JSON-RPC error whose data.reason is `reason` (the list in docs/api.md).
 #pragma once
 
+#include <nlohmann/json.hpp>
 #include <stdexcept>
 #include <string>
 
@@ -13,9 +14,11 @@ namespace shareblk::control {
 // volume_error, not_single_writer, already_writer, volume_busy, volume_has_snapshots,
 // not_supported, forbidden, internal.
 struct ApiError : std::runtime_error {
-  ApiError(std::string why, const std::string& message)
-      : std::runtime_error(message), reason(std::move(why)) {}
+  ApiError(std::string why, const std::string& message, nlohmann::json more = nullptr)
+      : std::runtime_error(message), reason(std::move(why)), data(std::move(more)) {}
   std::string reason;
+  // Members the reply's error.data carries beside `reason` (an object), or null for none.
+  nlohmann::json data;
 };
 
 [[noreturn]] inline void invalid(const std::string& message) {

@@ -459,11 +459,42 @@ Database& Database::Transaction::live() {
   return db_;
 }
 
+void Database::set_pending_writer(const std::string& volume_id, const PendingWriter& w) {
+  std::lock_guard lock(pending_mutex_);
+  auto [it, added] = pending_writers_.try_emplace(volume_id, w);
+  if (!added && it->second.generation < w.generation) it->second = w;
+}
+
+std::optional<Database::PendingWriter> Database::pending_writer(
+    const std::string& volume_id) const {
+  std::lock_guard lock(pending_mutex_);
+  const auto it = pending_writers_.find(volume_id);
+  if (it == pending_writers_.end()) return std::nullopt;
+  return it->second;
+}
+
+void Database::drop_pending_writer(const std::string& volume_id) {
+  std::lock_guard lock(pending_mutex_);
+  pending_writers_.erase(volume_id);
+}
+
+void Database::overlay(VolumeRow& v) const {
+  std::lock_guard lock(pending_mutex_);
+  const auto it = pending_writers_.find(v.id);
+  if (it == pending_writers_.end() || it->second.generation <= v.fencing_generation) return;
+  v.writer = it->second.writer;
+  v.fencing_generation = it->second.generation;
+  v.writer_since = it->second.since;
+}
+
 std::vector<VolumeRow> Database::Transaction::volumes() {
   Statement s(live(),
               std::string("SELECT ") + kVolumeColumns + " FROM volumes ORDER BY created_at, id");
   std::vector<VolumeRow> rows;
-  while (s.step()) rows.push_back(volume_from(s));
+  while (s.step()) {
+    rows.push_back(volume_from(s));
+    db_.overlay(rows.back());
+  }
   return rows;
 }
 
@@ -472,7 +503,9 @@ std::optional<VolumeRow> Database::Transaction::volume(const std::string& id) {
               (std::string("SELECT ") + kVolumeColumns + " FROM volumes WHERE id = ?").c_str());
   s.bind(1, id);
   if (!s.step()) return std::nullopt;
-  return volume_from(s);
+  VolumeRow v = volume_from(s);
+  db_.overlay(v);
+  return v;
 }
 
 void Database::Transaction::insert_volume(const VolumeRow& v) {

@@ -116,6 +116,19 @@ class Database {
   // rollback-journal database, synced. Throws DbError (disk_full() when the file system is).
   void backup_into(const std::string& path);
 
+  // A change of writer that the database could not record and the revocation journal did
+  // (docs/fencing.md): every read of the volume shows it while its generation is above the
+  // row's, so that a later change the database records supersedes it.
+  struct PendingWriter {
+    std::string writer;
+    uint64_t generation = 0;
+    std::string since;
+  };
+  // Keeps the higher generation of the one it had and `w`.
+  void set_pending_writer(const std::string& volume_id, const PendingWriter& w);
+  std::optional<PendingWriter> pending_writer(const std::string& volume_id) const;
+  void drop_pending_writer(const std::string& volume_id);
+
   // All access goes through a Transaction, which holds the database mutex until it commits
   // or ends. Both return once what it wrote, or read, is on disk.
   class Transaction {
@@ -179,6 +192,10 @@ class Database {
   std::atomic<uint64_t> synced_{0};     // commits known on disk
   std::string wal_path_;
   int wal_fd_ = -1;  // opened at the first sync, under sync_mutex_
+  // Shows a pending writer in `v` if it has one above the row's generation.
+  void overlay(VolumeRow& v) const;
+  mutable std::mutex pending_mutex_;  // not mutex_: set while a transaction may be open
+  std::unordered_map<std::string, PendingWriter> pending_writers_;
 };
 
 }  // namespace shareblk::control

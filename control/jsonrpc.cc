@@ -130,9 +130,10 @@ std::string response(const std::string& id, const char* member, const Json& valu
 }
 
 std::string error_response(const std::string& id, int code, const std::string& reason,
-                           const std::string& message) {
-  return response(id, "error",
-                  Json{{"code", code}, {"message", message}, {"data", {{"reason", reason}}}});
+                           const std::string& message, const Json& more = nullptr) {
+  Json data = more.is_object() ? more : Json::object();
+  data["reason"] = reason;
+  return response(id, "error", Json{{"code", code}, {"message", message}, {"data", data}});
 }
 
 std::string invalid_request(const std::string& message) {
@@ -230,7 +231,7 @@ std::optional<Reply> handle_one(const Json& request, const std::string& number_i
   } catch (const ApiError& e) {
     spdlog::info("control: uid={} pid={} {}: {} ({})", caller.uid, caller.pid, printable(method),
                  e.reason, printable(e.what(), 1024));  // messages quote the caller's strings
-    return respond(error_response(id_text, code_for(e.reason), e.reason, e.what()));
+    return respond(error_response(id_text, code_for(e.reason), e.reason, e.what(), e.data));
   } catch (const DbError& e) {
     // The state directory's file system is full: the caller can act on that (free space),
     // unlike on any other database failure.

@@ -4,7 +4,9 @@
 
 #include <spdlog/spdlog.h>
 #include <sys/random.h>
+#include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <csignal>
 #include <cstdio>
@@ -65,11 +67,19 @@ void test_pause() {
   static const char* const ms = std::getenv("SHAREBLK_TEST_JOB_PAUSE_MS");
   if (ms != nullptr) std::this_thread::sleep_for(std::chrono::milliseconds(std::atoi(ms)));
 }
+
+int test_flush_error() {
+  static const char* const path = std::getenv("SHAREBLK_TEST_FAIL_FLUSH");
+  return path != nullptr && ::access(path, F_OK) == 0 ? EIO : 0;
+}
 #else
 // A build without the test hooks (a plain one, the package preset): no environment variable
 // can kill or stall a shipped daemon.
 void crash_point(const char* /*point*/) {}
 void test_pause() {}
+int test_flush_error() {
+  return 0;
+}
 #endif
 
 Service::Service(const std::string& db_path, lvm::VolumeStore& store, Policy policy)
@@ -179,6 +189,7 @@ void Service::reconcile() {
                     e.what());
     }
   }
+  settle_journaled_writers();
   finish_intents();
   Database::Transaction tx(db_);
   std::vector<std::pair<std::string, std::string>> known;
@@ -199,6 +210,56 @@ void Service::reconcile() {
   volumes_.reconcile(known, deleting);
   load_write_access(tx);
   tx.commit();
+}
+
+// A takeover that only the journal recorded (docs/fencing.md, "When the disk fails") happened:
+// its caller was told so. Lowest generation first, so that a volume's latest one stands.
+void Service::settle_journaled_writers() {
+  std::vector<RevocationJournal::Writer> writers = journal_.writers();
+  std::sort(writers.begin(), writers.end(),
+            [](const auto& x, const auto& y) { return x.generation < y.generation; });
+  for (const RevocationJournal::Writer& w : writers) {
+    std::optional<AttachmentRow> a;
+    std::optional<VolumeRow> v;
+    {
+      Database::Transaction tx(db_);
+      a = tx.attachment(w.attachment_id);
+      if (a) v = tx.volume(a->volume_id);
+    }
+    if (!a || !v || v->fencing_generation >= w.generation) {  // gone, or a later change stands
+      journal_.clear_writer(w.attachment_id, w.generation);
+      continue;
+    }
+    const std::string since =
+        iso8601_utc(std::chrono::system_clock::time_point(std::chrono::microseconds(w.since_us)));
+    const std::string previous = v->writer;
+    v->writer = a->id;
+    v->fencing_generation = w.generation;
+    v->writer_since = since;
+    try {
+      Database::Transaction tx(db_);
+      tx.update_volume(*v);
+      a->write_access_since = since;
+      tx.update_attachment(*a);
+      if (auto old = previous.empty() ? std::nullopt : tx.attachment(previous);
+          old && old->id != a->id) {
+        old->write_access_since.clear();
+        tx.update_attachment(*old);
+      }
+      tx.commit();
+      journal_.clear_writer(w.attachment_id, w.generation);
+      spdlog::info(
+          "control: volume {}: the takeover by attachment {} (generation {}) is recorded from "
+          "the revocation journal",
+          v->id, a->id, w.generation);
+    } catch (const std::exception& e) {
+      db_.set_pending_writer(v->id, {a->id, w.generation, since});
+      spdlog::error(
+          "control: volume {}: attachment {} stays the writer (generation {}) from the "
+          "revocation journal; the database cannot record it yet: {}",
+          v->id, a->id, w.generation, e.what());
+    }
+  }
 }
 
 // A create or delete that a crash interrupted: a create is rolled back (its caller never

@@ -223,9 +223,15 @@ class Service {
   bool reclaim_shared_writer(Database::Transaction& tx, VolumeRow& v);
   // Makes every write the volume acknowledged durable; throws ApiError (internal).
   void flush_volume(const VolumeRow& v, const std::string& why);
+  // The same, returning the errno of a flush that failed (0 when it did not).
+  int try_flush(const VolumeRow& v);
+  bool commit_stands(const VolumeRow& v);
   // At start: the gates of the live attachments, from the database, and no writer that is
   // not a live attachment.
   void load_write_access(Database::Transaction& tx);
+  // At start: the takeovers that only the revocation journal recorded go into the database, or,
+  // while it still cannot record them, stand as the database's pending writers.
+  void settle_journaled_writers();
   // volumes.cc: the long parts of a delete (of a volume or a snapshot) and of a create that
   // copies bytes in (from an image, a snapshot or a volume), run by jobs_.
   void start_delete(const std::string& id);
@@ -389,5 +395,8 @@ void crash_point(const char* point);
 // zeroing and a fill wait that many milliseconds at each report of progress, so that a test can
 // act (and kill the daemon) while one runs. Only with SHAREBLK_TEST_HOOKS, like crash_point.
 void test_pause();
+// For the takeover tests only: EIO while the file that SHAREBLK_TEST_FAIL_FLUSH names exists, as
+// a volume's flush on failing storage would return; 0 otherwise. Only with SHAREBLK_TEST_HOOKS.
+int test_flush_error();
 
 }  // namespace shareblk::control

@@ -54,6 +54,11 @@ Json Service::attachment_json(const AttachmentRow& a, const VolumeRow& v) {
   auto or_null = [](const std::string& s) { return s.empty() ? Json(nullptr) : Json(s); };
   Json connector = a.connector.empty() ? Json(nullptr) : Json::parse(a.connector);
   Json info = connection_info(a, v, connector);
+  // What its connections can do: a revocation the database could not record yet counts, and
+  // a writer only the journal holds (docs/fencing.md) shows when it became one.
+  const bool writes = may_write(a, v) && !exports_.is_revoked(a.id);
+  std::string since = writes ? a.write_access_since : std::string();
+  if (writes && since.empty() && v.writer == a.id) since = v.writer_since;
   return Json{{"id", a.id},
               {"volume_id", a.volume_id},
               {"gateway", volumes_.shared() ? Json(gateway_id_) : Json(nullptr)},
@@ -66,8 +71,8 @@ Json Service::attachment_json(const AttachmentRow& a, const VolumeRow& v) {
               {"connector", std::move(connector)},
               {"connection_info", std::move(info)},
               {"connections", exports_.connections(a.id)},
-              {"write_access", may_write(a, v)},
-              {"write_access_since", or_null(a.write_access_since)},
+              {"write_access", writes},
+              {"write_access_since", or_null(since)},
               {"qos", qos_json(qos_from_text(a.qos))}};
 }
 

@@ -5,9 +5,11 @@
 // two attachments able to write.
 #include <spdlog/spdlog.h>
 
+#include <chrono>
 #include <cstring>
 
 #include "control/service.h"
+#include "text/iso_time.h"
 
 namespace shareblk::control {
 
@@ -49,13 +51,28 @@ void Service::load_write_access(Database::Transaction& tx) {
   }
 }
 
-void Service::flush_volume(const VolumeRow& v, const std::string& why) {
+int Service::try_flush(const VolumeRow& v) {
+  if (const int err = test_flush_error(); err != 0) return err;
   auto volume = volumes_.open(v.id, v.size);
-  const int err = volume ? backend::Handle(volume, backend::AttachMode::ReadOnly).flush() : EIO;
-  if (err != 0) {
+  return volume ? backend::Handle(volume, backend::AttachMode::ReadOnly).flush() : EIO;
+}
+
+void Service::flush_volume(const VolumeRow& v, const std::string& why) {
+  if (const int err = try_flush(v); err != 0) {
     throw ApiError("internal", why + ", but volume " + v.id + " cannot be flushed (" +
                                    std::strerror(err) +
                                    "): writes acknowledged before may not be durable");
+  }
+}
+
+// Whether the database shows `v`'s writer and generation: a commit whose sync failed stands.
+bool Service::commit_stands(const VolumeRow& v) {
+  try {
+    Database::Transaction tx(db_);
+    const std::optional<VolumeRow> row = tx.volume(v.id);
+    return row && row->writer == v.writer && row->fencing_generation == v.fencing_generation;
+  } catch (const DbError&) {
+    return false;
   }
 }
 
@@ -98,18 +115,23 @@ Json Service::volume_takeover(const std::string& volume_id, const std::string& a
   // changes here; one on this gateway leaves the lock with us (docs/scale-out.md).
   const std::string fenced = fence_shared_writer(v);
   const std::string old_id = v.writer;
+  const uint64_t old_generation = v.fencing_generation;
   // The fence: from here on no change of the old writer runs, and none that it had sent
-  // is still running; then everything acknowledged so far is made durable.
+  // is still running; then everything acknowledged so far is made durable. A flush that fails
+  // does not stop it (docs/fencing.md, "When the disk fails"): the call says so at the end.
   if (!old_id.empty()) {
     exports_.set_write_access(old_id, false);
     exports_.cut_subscribers(old_id);
   }
-  flush_volume(
-      v, "attachment " + (old_id.empty() ? std::string("(none)") : old_id) + " no longer writes");
+  const int flush_err = try_flush(v);
   crash_point("volume_takeover:fenced");
-  const std::string now = now_iso();
+  const std::optional<Database::PendingWriter> superseded = db_.pending_writer(v.id);
+  const auto when = std::chrono::system_clock::now();
+  const std::string now = iso8601_utc(when);
   make_writer(v, a.id, now);
   a.write_access_since = now;
+  bool journaled = false;
+  std::string unsynced;  // the database's sync failed: why
   try {
     Database::Transaction tx(db_);
     tx.update_volume(v);
@@ -120,15 +142,40 @@ Json Service::volume_takeover(const std::string& volume_id, const std::string& a
     }
     tx.commit();
   } catch (const DbError& e) {
-    // The old writer stays fenced; so that a restart cannot make it the writer again, it is
-    // detached then. The new one gets nothing until the database says so.
-    const bool journaled = !old_id.empty() && journal_.record(old_id);
-    throw ApiError(e.disk_full() ? "no_space" : "internal",
-                   "attachment " + (old_id.empty() ? std::string("(none)") : old_id) +
-                       " no longer writes to volume " + v.id + ", but the database could not " +
-                       "record attachment " + a.id + " as its writer: " + e.what() +
-                       (journaled ? "; the old writer will be detached at the next start" : "") +
-                       "; no attachment writes until a takeover succeeds");
+    // The database cannot record it (a full disk): the journal's preallocated slot can, and
+    // the next start puts it into the database. Only if neither can does nothing change.
+    const RevocationJournal::Writer record{
+        a.id, v.fencing_generation,
+        std::chrono::duration_cast<std::chrono::microseconds>(when.time_since_epoch()).count()};
+    if (journal_.record_writer(record)) {
+      db_.set_pending_writer(v.id, {a.id, v.fencing_generation, now});
+      journaled = true;
+      spdlog::warn(
+          "control: volume {}: the database cannot record the takeover by attachment {} ({}); "
+          "the revocation journal holds it until it can",
+          v.id, a.id, e.what());
+    } else if (commit_stands(v)) {
+      // Only its sync failed: the database shows the new writer, so it is done, unsynced
+      // (docs/state.md, "Durability"), and the call says so.
+      unsynced = e.what();
+    } else {
+      if (!old_id.empty()) exports_.set_write_access(old_id, true);
+      throw ApiError(e.disk_full() ? "no_space" : "internal",
+                     "neither the database (" + std::string(e.what()) +
+                         ") nor the revocation journal could record attachment " + a.id +
+                         " as the writer of volume " + v.id + ": nothing changed, " +
+                         (old_id.empty() ? std::string("the volume has no writer")
+                                         : "attachment " + old_id + " still writes") +
+                         (flush_err != 0 ? std::string("; the volume cannot be flushed either (") +
+                                               std::strerror(flush_err) + ")"
+                                         : ""),
+                     Json{{"writer", old_id.empty() ? Json(nullptr) : Json(old_id)},
+                          {"fencing_generation", old_generation}});
+    }
+  }
+  if (superseded) {  // a takeover only the journal held: this one replaces it
+    journal_.clear_writer(superseded->writer, superseded->generation);
+    if (!journaled) db_.drop_pending_writer(v.id);
   }
   crash_point("volume_takeover:recorded");
   publish_writer(v);
@@ -136,6 +183,19 @@ Json Service::volume_takeover(const std::string& volume_id, const std::string& a
   exports_.cut_subscribers(a.id);  // nbdkit resolved it without write access: connect again
   spdlog::info("control: volume {}: takeover: writer {} -> {} (generation {})", v.id,
                old_id.empty() ? "(none)" : old_id, a.id, v.fencing_generation);
+  if (flush_err != 0 || !unsynced.empty()) {
+    const std::string why =
+        flush_err != 0 ? "the volume cannot be flushed (" + std::string(std::strerror(flush_err)) +
+                             "): writes acknowledged before may not be durable"
+                       : "the database could not sync it (" + unsynced + "): it may not be durable";
+    throw ApiError(
+        "internal",
+        "attachment " + a.id + " is the writer of volume " + v.id + " (generation " +
+            std::to_string(v.fencing_generation) + ")" +
+            (old_id.empty() ? std::string() : " and attachment " + old_id + " no longer writes") +
+            ", but " + why,
+        Json{{"writer", a.id}, {"fencing_generation", v.fencing_generation}});
+  }
   return Json{{"writer", a.id},
               {"fencing_generation", v.fencing_generation},
               {"writer_since", v.writer_since},
