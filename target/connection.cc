@@ -108,11 +108,19 @@ QosCost qos_cost(uint16_t type, uint64_t length) {
 }  // namespace
 
 void Request::done(int err) {
-  if (err == backend::kPaused && backend::is_change(op)) {
-    conn->hold_paused(this);
-    return;
+  conn->storage_done(this, err);
+}
+
+void Connection::storage_done(Request* r, int err) {
+  --in_storage_;
+  if (err == backend::kPaused && backend::is_change(r->op)) {
+    if (!winding_down_) {
+      hold_paused(r);
+      return;
+    }
+    err = ESHUTDOWN;  // it did not run, and the pause may outlast the stop
   }
-  conn->finish_request(this, err);
+  finish_request(r, err);
 }
 
 Connection::Connection(Worker& worker, int fd, Session session, std::unique_ptr<TlsConnection> tls)
@@ -165,6 +173,24 @@ void Connection::abort() {
   qos_drop();
   ::shutdown(fd_, SHUT_RDWR);
   maybe_close();
+}
+
+void Connection::wind_down() {
+  {
+    Hold hold(*this);  // the replies to the refused requests may be all it waited for
+    winding_down_ = true;
+    qos_refuse();
+  }
+  maybe_close();
+}
+
+void Connection::maybe_stop_reading() {
+  if (!winding_down_ || !reading_ || in_storage_ > 0 || payload_for_ != nullptr ||
+      discard_left_ > 0) {
+    return;
+  }
+  reading_ = false;
+  ::shutdown(fd_, SHUT_RD);  // completes a pending receive with end-of-file
 }
 
 void Connection::drop_replies() {
@@ -388,12 +414,14 @@ bool Connection::begin_request(const nbd::Request& h) {
 
   int err = 0;
   const std::optional<backend::Op> op = op_of(h.type);
-  if (h.type == kCmdBlockStatus) {
+  if (winding_down_) {
+    err = ESHUTDOWN;  // proto.md: the server is shutting down; a WRITE's payload is skipped
+  } else if (h.type == kCmdBlockStatus) {
     if (!session_.base_allocation) err = EINVAL;  // no metadata context was negotiated
   } else if (!op) {
     err = EINVAL;  // unknown command
   }
-  if (h.flags & ~allowed_flags(h.type, session_)) err = EINVAL;
+  if (!err && (h.flags & ~allowed_flags(h.type, session_))) err = EINVAL;
   const bool has_payload = h.type == kCmdWrite;
   const bool needs_buffer = has_payload || h.type == kCmdRead;
   if (!err && needs_buffer && h.length > kMaxPayload) err = EOVERFLOW;
@@ -413,7 +441,7 @@ bool Connection::begin_request(const nbd::Request& h) {
   // large): what the client must learn is that it may not write here. The backend's admission
   // rule decides; a request with no other error meets it on the I/O path, so only a request
   // refused here is asked.
-  if (err != 0 && op && handle_.admit(*op, h.offset, h.length) == EPERM) {
+  if (err != 0 && err != ESHUTDOWN && op && handle_.admit(*op, h.offset, h.length) == EPERM) {
     err = EPERM;  // only changes get EPERM from admission
   }
   if (err) {
@@ -441,6 +469,10 @@ bool Connection::begin_request(const nbd::Request& h) {
 }
 
 void Connection::dispatch(Request* r) {
+  if (winding_down_) [[unlikely]] {  // a WRITE received in full after the stop: no QoS wait
+    run(r);
+    return;
+  }
   // Without a limit on the attachment or its volume this one test is all QoS costs. While
   // requests wait, later ones queue behind them, whatever they are: a connection's requests
   // start in the order they came.
@@ -519,6 +551,23 @@ void Connection::qos_start_ready() {
   }
 }
 
+void Connection::qos_refuse() {
+  if (qos_timer_) {
+    worker_.cancel_qos_wait(*qos_timer_);
+    qos_timer_.reset();
+  }
+  while (qos_head_ != nullptr) {
+    Request* r = qos_head_;
+    qos_head_ = r->next;
+    if (qos_head_ == nullptr) qos_tail_ = nullptr;
+    if (r->qos_charged) {
+      const QosCost cost = qos_cost(r->type, r->length);
+      qos_.refund(cost.dir, cost.bytes);
+    }
+    finish_request(r, ESHUTDOWN);
+  }
+}
+
 void Connection::qos_drop() {
   if (qos_timer_) {
     worker_.cancel_qos_wait(*qos_timer_);
@@ -558,6 +607,7 @@ void Connection::run(Request* r) {
   if (r->nbd_flags & kCmdFlagFua) r->flags |= backend::kFua;
   if (r->nbd_flags & kCmdFlagNoHole) r->flags |= backend::kNoHole;
   if (r->nbd_flags & kCmdFlagFastZero) r->flags |= backend::kFastZero;
+  ++in_storage_;  // before: it may come back inside submit()
   worker_.ring().submit(handle_, r);
 }
 
@@ -587,6 +637,7 @@ void Connection::release(Request* r) {
 }
 
 void Connection::maybe_close() {
+  maybe_stop_reading();
   if (holds_ > 0 || reading_ || recv_pending_ || send_pending_ || inflight_ > 0) return;
   // Records of the last replies still to go out (a short send); they go before the close.
   if (tls_ && !broken_ && tls_->has_output()) return;

@@ -20,8 +20,10 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <set>
 #include <system_error>
 #include <thread>
@@ -157,6 +159,13 @@ struct Server::Impl final : ConnectionRegistry {
   // Waits until the group has no connection older than `serial`, draining them (then, past
   // the grace period, cutting them off). Called without the lock.
   void supersede(const std::string& group, uint64_t serial);
+  // Under `lock`: waits until `gone()`. Past the grace period it cuts off the connections
+  // (`group`'s older than `below`, or all) whose client takes no replies (or sends no payload
+  // it owes) for that long, and goes on waiting for the others: their requests are in
+  // storage, and neither the fence nor the exit may come before those complete.
+  void wait_closed(std::unique_lock<std::mutex>& lock, std::chrono::milliseconds grace,
+                   const std::function<bool()>& gone, const std::optional<std::string>& group,
+                   uint64_t below, const std::string& what);
   void connection_closed(const std::string& group, uint64_t serial) override {
     std::lock_guard lock(mutex);
     auto it = live.find(group);
@@ -509,11 +518,43 @@ void Server::stop() {
     for (const auto& [id, place] : s.places) ::shutdown(place.fd, SHUT_RDWR);
     s.changed.wait(lock, [&] { return s.handshakes == 0; });
   }
+  // Requests already received are answered before their connections close (issue 40).
+  for (auto& w : s.workers) w->wind_down();
+  {
+    std::unique_lock lock(s.mutex);
+    s.wait_closed(
+        lock, s.options.stop_grace, [&] { return s.live.empty(); }, std::nullopt, UINT64_MAX,
+        "the connections");
+  }
   for (auto& w : s.workers) w->stop();
   {
     std::lock_guard lock(s.mutex);  // stats() reads the workers under it
     s.workers.clear();
   }
+}
+
+void Server::Impl::wait_closed(std::unique_lock<std::mutex>& lock, std::chrono::milliseconds grace,
+                               const std::function<bool()>& gone,
+                               const std::optional<std::string>& group, uint64_t below,
+                               const std::string& what) {
+  const auto start = std::chrono::steady_clock::now();
+  if (changed.wait_for(lock, grace, gone)) return;
+  spdlog::warn(
+      "nbd: {} still have requests after {} ms: waiting for the storage to complete them; "
+      "a client that takes no reply for that long is cut off",
+      what, grace.count());
+  const auto step = std::clamp<std::chrono::milliseconds>(grace / 10, std::chrono::milliseconds(10),
+                                                          std::chrono::milliseconds(1000));
+  do {
+    const auto since = std::chrono::steady_clock::now() - grace;
+    lock.unlock();
+    for (auto& w : workers) w->cut_off_stalled(group, below, since);
+    lock.lock();
+  } while (!changed.wait_for(lock, step, gone));
+  spdlog::info("nbd: {} closed after {} ms", what,
+               std::chrono::duration_cast<std::chrono::milliseconds>(
+                   std::chrono::steady_clock::now() - start)
+                   .count());
 }
 
 std::error_code Server::reload_tls(std::string& error) {
@@ -556,14 +597,8 @@ void Server::Impl::supersede(const std::string& group, uint64_t serial) {
   lock.unlock();
   for (auto& w : workers) w->close_group(group, false, serial);
   lock.lock();
-  if (!changed.wait_for(lock, options.close_grace, none_older)) {
-    spdlog::warn("nbd: older connections of {} did not finish within the grace period; cutting off",
-                 group);
-    lock.unlock();
-    for (auto& w : workers) w->close_group(group, true, serial);
-    lock.lock();
-    changed.wait(lock, none_older);
-  }
+  wait_closed(lock, options.close_grace, none_older, group, serial,
+              "older connections of " + group);
 }
 
 // Closed while its connections drain, so that the wait cannot be outrun by clients that
@@ -587,16 +622,9 @@ void Server::drain_group(const std::string& group) {
   }
   for (auto& w : s.workers) w->close_group(group, false);
   std::unique_lock lock(s.mutex);
-  auto gone = [&] { return s.live.count(group) == 0; };
-  if (!s.changed.wait_for(lock, s.options.close_grace, gone)) {
-    // A client that stops reading its replies cannot hold the close up forever.
-    spdlog::warn("nbd: connections of {} did not finish within the grace period; cutting off",
-                 group);
-    lock.unlock();
-    for (auto& w : s.workers) w->close_group(group, true);
-    lock.lock();
-    s.changed.wait(lock, gone);
-  }
+  s.wait_closed(
+      lock, s.options.close_grace, [&] { return s.live.count(group) == 0; }, group, UINT64_MAX,
+      "connections of " + group);
 }
 
 size_t Server::connections(const std::string& group) const {

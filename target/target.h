@@ -271,8 +271,12 @@ struct ServerOptions {
   // Request payload bytes all connections may hold at once, shared out among the workers;
   // 0 = a quarter of the machine's memory. Past it, connections wait before reading more.
   uint64_t payload_memory = 0;
-  // How long close_group() lets a connection finish its requests before cutting it off.
+  // A closing connection (close_group(), a newer connection of an exclusive export) whose
+  // client takes none of its replies, or sends none of a payload it owes, for this long is cut
+  // off; one whose requests are in storage is waited for, however long.
   std::chrono::milliseconds close_grace{10000};
+  // The same at stop(): shorter, as no fence depends on it and the service manager waits.
+  std::chrono::milliseconds stop_grace{5000};
   // A connection whose client takes none of its replies for this long is cut off; 0 = never.
   std::chrono::milliseconds send_timeout{30000};
   // A connection whose client sent a request's header and then none of its payload (a WRITE's

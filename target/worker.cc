@@ -294,6 +294,25 @@ void Worker::close_group(const std::string& group, bool now, uint64_t below) {
   });
 }
 
+void Worker::wind_down() {
+  post([](Worker& w) {
+    std::vector<Connection*> all(w.connections_.begin(), w.connections_.end());
+    for (Connection* c : all) c->wind_down();  // may close it
+  });
+}
+
+void Worker::cut_off_stalled(std::optional<std::string> group, uint64_t below,
+                             std::chrono::steady_clock::time_point since) {
+  post([group = std::move(group), below, since](Worker& w) {
+    std::vector<Connection*> stalled;
+    for (Connection* c : w.connections_) {
+      if (group && (c->group() != *group || c->serial() >= below)) continue;
+      if (c->stalled_since(since)) stalled.push_back(c);
+    }
+    for (Connection* c : stalled) c->abort();
+  });
+}
+
 Request* Worker::get_request() {
   if (free_requests_.empty()) return new Request();
   Request* r = free_requests_.back();

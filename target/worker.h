@@ -161,6 +161,18 @@ class Connection {
   void drain();
   // Cut the connection off now (requests in flight still complete inside the server).
   void abort();
+  // The daemon stops (docs/operations.md, "Signals"): requests already started are carried
+  // out and answered; those that have not (a QoS turn, a paused write) and any that come
+  // meanwhile are answered ESHUTDOWN. Once none is left in storage, nothing more is read and
+  // the connection closes after its last reply.
+  void wind_down();
+  // The client has taken none of its replies, or sent none of a payload it owes, since before
+  // `since`.
+  bool stalled_since(std::chrono::steady_clock::time_point since) {
+    return send_stalled_since(since) || payload_stalled_since(since);
+  }
+  // A request that went to storage (run()) is back.
+  void storage_done(Request* r, int err);
 
   const std::string& group() const { return session_.exp.group; }
   uint64_t serial() const { return session_.serial; }
@@ -233,6 +245,10 @@ class Connection {
   // A closing connection's held requests are released unanswered, and what QoS took for
   // them goes back to the limiter (QosLimiter::refund).
   void qos_drop();
+  // Winding down: the held requests are answered ESHUTDOWN instead, never run.
+  void qos_refuse();
+  // Winding down: stops reading once no request is in storage or half received.
+  void maybe_stop_reading();
   void encode_reply(Request* r, int err);
   void queue_reply(Request* r);
   void send_more();
@@ -317,6 +333,8 @@ class Connection {
   static constexpr uint64_t kMaxInflightBytes = 128ull << 20;
   uint32_t inflight_ = 0;
   uint64_t inflight_bytes_ = 0;
+  uint32_t in_storage_ = 0;    // requests run() handed to the ring and not back yet
+  bool winding_down_ = false;  // wind_down()
   // True when this connection may not start another request now (its limits or its worker's).
   bool must_wait();
 
@@ -358,6 +376,13 @@ class Worker {
   void adopt(int fd, Session session, std::unique_ptr<TlsConnection> tls = nullptr);
   // Drains (or, with `now`, aborts) every connection of `group` older than `below` (serial).
   void close_group(const std::string& group, bool now, uint64_t below = UINT64_MAX);
+  // Every connection winds down (Connection::wind_down): the daemon stops.
+  void wind_down();
+  // Cuts off the connections (of `group` older than `below`; without a group, all) whose
+  // client has taken none of its replies, or sent none of a payload, since before `since`.
+  // Those only waiting for storage are left to finish.
+  void cut_off_stalled(std::optional<std::string> group, uint64_t below,
+                       std::chrono::steady_clock::time_point since);
 
   backend::Ring& ring() { return *ring_; }
   BufferPool& pool() { return pool_; }
