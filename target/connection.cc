@@ -160,7 +160,7 @@ void Connection::drain() {
   reading_ = false;
   // Requests waiting for their QoS turn end here, never run: that turn may be minutes away,
   // and nobody is to wait for it, neither this close nor the others sharing the limits.
-  qos_drop();
+  qos_release(/*answer=*/false);
   ::shutdown(fd_, SHUT_RD);  // completes a pending receive with end-of-file
   maybe_close();
 }
@@ -170,7 +170,7 @@ void Connection::abort() {
   reading_ = false;
   broken_ = true;
   drop_replies();
-  qos_drop();
+  qos_release(/*answer=*/false);
   ::shutdown(fd_, SHUT_RDWR);
   maybe_close();
 }
@@ -179,7 +179,7 @@ void Connection::wind_down() {
   {
     Hold hold(*this);  // the replies to the refused requests may be all it waited for
     winding_down_ = true;
-    qos_refuse();
+    qos_release(/*answer=*/true);
   }
   maybe_close();
 }
@@ -275,7 +275,7 @@ void Connection::on_recv(int res) {
     }
     reading_ = false;
     drop_partial_request();
-    qos_drop();  // the client is gone: nobody takes their replies
+    qos_release(/*answer=*/false);  // the client is gone: nobody takes their replies
     maybe_close();
     return;
   }
@@ -405,7 +405,7 @@ bool Connection::begin_request(const nbd::Request& h) {
   r->buf_index = -1;
   r->payload_size = 0;
   r->next = nullptr;
-  // Requests are reused: one dropped while it held a QoS turn (qos_drop) must not hand that
+  // Requests are reused: one dropped while it held a QoS turn (qos_release) must not hand that
   // turn, and its wait, to the next request of any connection on this worker.
   r->qos_charged = false;
   // Over TCP the client, not this worker, is the slower side of a large write (ring.cc).
@@ -516,7 +516,7 @@ void Connection::qos_resume() {
 
 void Connection::qos_start_ready() {
   if (broken_) {
-    qos_drop();
+    qos_release(/*answer=*/false);
     return;
   }
   const auto now = std::chrono::steady_clock::now();
@@ -545,30 +545,13 @@ void Connection::qos_start_ready() {
     run(r);
     if (qos_head_ == r) return;  // held by a pause again; its timer is set
     if (broken_) {               // its reply failed to go: the rest are dropped
-      qos_drop();
+      qos_release(/*answer=*/false);
       return;
     }
   }
 }
 
-void Connection::qos_refuse() {
-  if (qos_timer_) {
-    worker_.cancel_qos_wait(*qos_timer_);
-    qos_timer_.reset();
-  }
-  while (qos_head_ != nullptr) {
-    Request* r = qos_head_;
-    qos_head_ = r->next;
-    if (qos_head_ == nullptr) qos_tail_ = nullptr;
-    if (r->qos_charged) {
-      const QosCost cost = qos_cost(r->type, r->length);
-      qos_.refund(cost.dir, cost.bytes);
-    }
-    finish_request(r, ESHUTDOWN);
-  }
-}
-
-void Connection::qos_drop() {
+void Connection::qos_release(bool answer) {
   if (qos_timer_) {
     worker_.cancel_qos_wait(*qos_timer_);
     qos_timer_.reset();
@@ -582,7 +565,11 @@ void Connection::qos_drop() {
       const QosCost cost = qos_cost(r->type, r->length);
       qos_.refund(cost.dir, cost.bytes);
     }
-    release(r);
+    if (answer) {
+      finish_request(r, ESHUTDOWN);
+    } else {
+      release(r);
+    }
   }
   qos_tail_ = nullptr;
 }

@@ -73,7 +73,7 @@ void Connection::tls_read() {
     // that is gone. (Not abort(): it may delete this connection; on_recv() closes it.)
     broken_ = true;
     drop_replies();
-    qos_drop();
+    qos_release(/*answer=*/false);
     ::shutdown(fd_, SHUT_RDWR);
   }
   on_recv(0);  // close_notify, or the record that failed: the stream ends here

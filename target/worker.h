@@ -157,7 +157,7 @@ class Connection {
 
   void start();
   // Stop reading; requests already received are answered, then the connection closes. Those
-  // still waiting for their QoS turn are dropped unanswered, never run (qos_drop).
+  // still waiting for their QoS turn are dropped unanswered, never run (qos_release).
   void drain();
   // Cut the connection off now (requests in flight still complete inside the server).
   void abort();
@@ -242,11 +242,10 @@ class Connection {
   // order, and sets the worker's timer for the first that may not.
   void qos_hold(Request* r);
   void qos_start_ready();
-  // A closing connection's held requests are released unanswered, and what QoS took for
-  // them goes back to the limiter (QosLimiter::refund).
-  void qos_drop();
-  // Winding down: the held requests are answered ESHUTDOWN instead, never run.
-  void qos_refuse();
+  // The requests held for their QoS turn never run, and what QoS took for them goes back to
+  // the limiter (QosLimiter::refund): a closing connection's are released unanswered, a
+  // winding-down one's are answered ESHUTDOWN (`answer`).
+  void qos_release(bool answer);
   // Winding down: stops reading once no request is in storage or half received.
   void maybe_stop_reading();
   void encode_reply(Request* r, int err);
