@@ -407,7 +407,11 @@ bool check_lvm2_request(const std::string& vg, const std::vector<std::string>& a
         (arg == "-L" && is_size_in_bytes(value)) || (arg == "--reportformat" && value == "json") ||
         (arg == "--units" && value == "b") || (arg == "-o" && is_report_fields(value)) ||
         (arg == "-S" && (selected = value == "vg_name=" + vg));
-    if (!ok) return refuse("'" + arg + "' with '" + value + "' is not the store's");
+    if (!ok) {
+      std::string what = "'" + arg;
+      what.append("' with '").append(value).append("' is not the store's");
+      return refuse(what);
+    }
   }
   // Each tool acts on the group or on one of its volumes' LVs, never on anything else: an
   // lvremove of the bare group would remove every LV in it.
