@@ -478,7 +478,14 @@ bool LocalAttach::unmount() {
   bool lazy = false;
   std::string error;
   if (mounter_->unmount(mountpoint_, root_, lazy, error) != 0) {
-    spdlog::error("fuse: {}", error);
+    // The connection goes on (the privileged helper is gone, say), so the loop would never
+    // end: it and its session are left to the process, whose exit ends the connection; the
+    // next mount at this place detaches what is left of it.
+    spdlog::error("fuse: cannot unmount {}: {}; it stays until shareblkd exits", mountpoint_,
+                  error);
+    s.loop.detach();
+    static_cast<void>(session_.release());
+    return false;
   }
   fuse_session_exit(s.se);
   if (s.loop.joinable()) s.loop.join();

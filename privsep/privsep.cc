@@ -220,21 +220,34 @@ Helper::~Helper() {
   }
 }
 
-std::shared_ptr<Helper> Helper::connect(const std::string& path, std::string& error) {
+namespace {
+
+// A connected socket to `path`, or -1 with `error`.
+int connect_to(const std::string& path, std::string& error) {
   sockaddr_un address{};
   address.sun_family = AF_UNIX;
   if (path.size() >= sizeof address.sun_path) {
     error = "helper socket path " + path + " is too long";
-    return nullptr;
+    return -1;
   }
   std::memcpy(address.sun_path, path.data(), path.size());
   const int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
   if (fd < 0 || ::connect(fd, reinterpret_cast<const sockaddr*>(&address), sizeof address) != 0) {
     error = "cannot reach the privileged helper at " + path + ": " + std::strerror(errno);
     if (fd >= 0) ::close(fd);
-    return nullptr;
+    return -1;
   }
-  return std::make_shared<Helper>(fd);
+  return fd;
+}
+
+}  // namespace
+
+std::shared_ptr<Helper> Helper::connect(const std::string& path, std::string& error) {
+  const int fd = connect_to(path, error);
+  if (fd < 0) return nullptr;
+  auto helper = std::make_shared<Helper>(fd);
+  helper->path_ = path;
+  return helper;
 }
 
 std::shared_ptr<Helper> Helper::start(const std::string& program, const HelperConfig& config,
@@ -279,7 +292,19 @@ std::shared_ptr<Helper> Helper::start(const std::string& program, const HelperCo
 int Helper::call(const std::string& request, Reply& reply, std::string& error) {
   std::lock_guard lock(mutex_);
   std::string body;
-  if (!send_message(fd_, request, -1) || !receive_message(fd_, body, reply.fd, kMaxReply)) {
+  bool sent = send_message(fd_, request, -1);
+  // Refused at once: the helper is gone and never saw the request. Its service may have
+  // started a new one: that one gets it. A helper that goes away while it holds a request is
+  // not asked again (it may have carried it out).
+  if (!sent && !path_.empty()) {
+    if (const int fd = connect_to(path_, error); fd >= 0) {
+      ::close(fd_);
+      fd_ = fd;
+      spdlog::warn("privileged helper: connected again to {}", path_);
+      sent = send_message(fd_, request, -1);
+    }
+  }
+  if (!sent || !receive_message(fd_, body, reply.fd, kMaxReply)) {
     error = "the privileged helper is gone";
     return EPIPE;
   }

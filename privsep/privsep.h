@@ -52,7 +52,8 @@ class Helper : public std::enable_shared_from_this<Helper> {
   Helper(const Helper&) = delete;
   Helper& operator=(const Helper&) = delete;
 
-  // Connects to the helper's socket at `path`. nullptr with `error` on failure.
+  // Connects to the helper's socket at `path`. nullptr with `error` on failure. A helper that
+  // went away (its service restarted) is connected to again by the next request.
   static std::shared_ptr<Helper> connect(const std::string& path, std::string& error);
   // Starts `program` (shareblk-helper) as a child of this process, root as this process is, on
   // one end of a socketpair, configured with `config`, to serve `uid`:`gid` (the user this
@@ -81,6 +82,7 @@ class Helper : public std::enable_shared_from_this<Helper> {
   int call(const std::string& request, Reply& reply, std::string& error);
 
   int fd_;
+  std::string path_;  // connect()'s, to connect again; empty for start()'s socketpair
   pid_t child_ = -1;  // the helper started by start(), reaped by the destructor
   std::mutex mutex_;  // one request at a time on the channel
 };

@@ -179,6 +179,29 @@ int hello_as(uid_t uid, gid_t gid, const std::string& path) {
   return st::wait_exit(pid, std::chrono::seconds(30));
 }
 
+// shareblk-helper --listen PATH --daemon-user USER, its output in `log`: its pid, or -1.
+pid_t start_listening_helper(const std::string& path, const std::string& user,
+                             const std::string& mount_root, const std::string& log) {
+  const int out = ::open(log.c_str(), O_CREAT | O_WRONLY | O_APPEND | O_CLOEXEC, 0600);
+  if (out < 0) return -1;
+  posix_spawn_file_actions_t actions;
+  posix_spawn_file_actions_init(&actions);
+  posix_spawn_file_actions_adddup2(&actions, out, 1);
+  posix_spawn_file_actions_adddup2(&actions, out, 2);
+  std::vector<std::string> args = {
+      st::Daemon::helper_binary(), "--listen", path, "--daemon-user", user,
+      "--fuse-mount-root",         mount_root};
+  std::vector<char*> argv;
+  argv.reserve(args.size() + 1);
+  for (auto& a : args) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  pid_t pid = -1;
+  if (::posix_spawn(&pid, argv[0], &actions, nullptr, argv.data(), environ) != 0) pid = -1;
+  posix_spawn_file_actions_destroy(&actions);
+  ::close(out);
+  return pid;
+}
+
 TEST(PrivilegedHelperSocket, AnswersTheDaemonsUserAlone) {
   SHAREBLK_REQUIRE(st::is_root(), "needs root");
   const passwd* pw = ::getpwnam("nobody");
@@ -189,22 +212,8 @@ TEST(PrivilegedHelperSocket, AnswersTheDaemonsUserAlone) {
   let_anyone_enter(dir);
   const std::string path = dir / "helper.sock";
   const std::string log = dir / "helper.log";
-  const int out = ::open(log.c_str(), O_CREAT | O_WRONLY | O_CLOEXEC, 0600);
-  ASSERT_GE(out, 0);
-  posix_spawn_file_actions_t actions;
-  posix_spawn_file_actions_init(&actions);
-  posix_spawn_file_actions_adddup2(&actions, out, 1);
-  posix_spawn_file_actions_adddup2(&actions, out, 2);
-  std::vector<std::string> args = {
-      st::Daemon::helper_binary(), "--listen",         path, "--daemon-user", "nobody",
-      "--fuse-mount-root",         dir.path().string()};
-  std::vector<char*> argv;
-  for (auto& a : args) argv.push_back(a.data());
-  argv.push_back(nullptr);
-  pid_t pid = -1;
-  ASSERT_EQ(::posix_spawn(&pid, argv[0], &actions, nullptr, argv.data(), environ), 0);
-  posix_spawn_file_actions_destroy(&actions);
-  ::close(out);
+  const pid_t pid = start_listening_helper(path, "nobody", dir.path().string(), log);
+  ASSERT_GT(pid, 0);
   ASSERT_TRUE(st::wait_for_socket(path, std::chrono::seconds(10)));
 
   struct stat sock {};
@@ -223,6 +232,33 @@ TEST(PrivilegedHelperSocket, AnswersTheDaemonsUserAlone) {
   const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
   EXPECT_NE(text.find("refused a connection from uid 0"), std::string::npos) << text;
   EXPECT_NE(text.find("\"op\":\"hello\""), std::string::npos) << text;
+}
+
+// The helper's service restarts (its unit has Restart=on-failure): the daemon's next request
+// reaches the new one, without a restart of the daemon.
+TEST(PrivilegedHelperSocket, ADaemonReachesAHelperThatWasStartedAgain) {
+  SHAREBLK_REQUIRE(st::is_root(), "needs root");
+  st::TempDir dir;
+  const std::string path = dir / "helper.sock";
+  const std::string log = dir / "helper.log";
+  pid_t pid = start_listening_helper(path, "root", dir.path().string(), log);
+  ASSERT_GT(pid, 0);
+  ASSERT_TRUE(st::wait_for_socket(path, std::chrono::seconds(10)));
+  std::string error;
+  auto helper = Helper::connect(path, error);
+  ASSERT_TRUE(helper) << error;
+  std::string vg;
+  bool dm = false;
+  ASSERT_EQ(helper->hello(vg, dm, error), 0) << error;
+  ::kill(pid, SIGKILL);
+  st::wait_exit(pid, std::chrono::seconds(10));
+  EXPECT_EQ(helper->hello(vg, dm, error), EPIPE);  // no helper: a clear error, not a hang
+  pid = start_listening_helper(path, "root", dir.path().string(), log);
+  ASSERT_GT(pid, 0);
+  ASSERT_TRUE(st::wait_for_socket(path, std::chrono::seconds(10)));
+  EXPECT_EQ(helper->hello(vg, dm, error), 0) << error;
+  ::kill(pid, SIGTERM);
+  st::wait_exit(pid, std::chrono::seconds(10));
 }
 
 // shareblkd started as root with --user: it drops root and keeps a helper for what needs it.
@@ -309,6 +345,39 @@ TEST_F(DaemonWithoutRoot, ServesTheLvmStoreThroughItsHelper) {
       << log;
   EXPECT_NE(log.find("helper: uid " + id + ": {\"argv\":[\"lvcreate\""), std::string::npos) << log;
   EXPECT_NE(log.find("helper: uid " + id + ": {\"flags\":"), std::string::npos) << log;
+}
+
+// The helper a daemon started dies: a FUSE detach and the daemon's stop still end (the mount
+// stays until the daemon exits), rather than wait for a connection nobody can end.
+TEST_F(DaemonWithoutRoot, AFuseDetachEndsWhenItsHelperIsGone) {
+  SHAREBLK_REQUIRE(::access("/dev/fuse", R_OK | W_OK) == 0, "needs /dev/fuse");
+  ASSERT_EQ(::unshare(CLONE_NEWNS), 0) << std::strerror(errno);
+  ASSERT_EQ(::mount("none", "/", nullptr, MS_REC | MS_PRIVATE, nullptr), 0);
+  const std::string root = files_ / "mounts";
+  ASSERT_EQ(::mkdir(root.c_str(), 0755), 0);
+  ASSERT_EQ(::mkdir((root + "/a").c_str(), 0755), 0);
+  start({"--fuse-mount-root", root});
+  const std::string volume =
+      st::rpc_ok(control(), "volume_create", {{"name", "v"}, {"size", "4M"}})["id"];
+  const Json a = st::rpc_ok(
+      control(), "attachment_create",
+      {{"volume_id", volume},
+       {"instance_uuid", "i-1"},
+       {"mode", "rw"},
+       {"connector", {{"host", "h"}, {"transport", "fuse"}, {"mountpoint", root + "/a"}}}});
+  ASSERT_NE(mount_options(root + "/a"), "");
+  // The helper is the daemon's child.
+  std::ifstream children("/proc/" + std::to_string(daemon_->pid()) + "/task/" +
+                         std::to_string(daemon_->pid()) + "/children");
+  pid_t helper = 0;
+  ASSERT_TRUE(children >> helper) << "the daemon has no child";
+  ASSERT_EQ(::kill(helper, SIGKILL), 0);
+  const auto start_time = std::chrono::steady_clock::now();
+  st::rpc(control(), "attachment_delete", {{"attachment_id", a["id"]}});
+  EXPECT_LT(std::chrono::steady_clock::now() - start_time, std::chrono::seconds(15));
+  EXPECT_NE(daemon_->log().find("it stays until shareblkd exits"), std::string::npos)
+      << daemon_->log();
+  // TearDown: SIGTERM stops the daemon, status 0.
 }
 
 TEST_F(DaemonWithoutRoot, AnLvmStoreWithoutRootOrHelperIsRefusedAtStart) {
