@@ -60,12 +60,21 @@ void let_anyone_enter(const st::TempDir& dir) {
                   fs::perms::owner_all | fs::perms::group_exec | fs::perms::others_exec);
 }
 
+// This test process, and every daemon and helper it starts from now on, get a mount namespace
+// of their own: a mount the helper wrongly made (on /etc, say) would never reach the host.
+void enter_private_mount_namespace() {
+  ASSERT_EQ(::unshare(CLONE_NEWNS), 0) << std::strerror(errno);
+  ASSERT_EQ(::mount("none", "/", nullptr, MS_REC | MS_PRIVATE, nullptr), 0);
+}
+
 class PrivilegedHelper : public ::testing::Test {
  protected:
   void SetUp() override {
     SHAREBLK_REQUIRE(st::is_root(), "needs root (the helper is root's)");
     std::string why;
     SHAREBLK_REQUIRE(st::lvm_available(why), why);
+    enter_private_mount_namespace();  // before the helper starts: it is asked to mount on /etc
+    if (HasFatalFailure()) return;
     vg_name_ = "sbh" + std::to_string(::getpid());
     vg_ = std::make_unique<st::LoopVolumeGroup>(dir_, vg_name_, 64 * kMiB);
     ASSERT_TRUE(vg_->ok()) << vg_->why();
@@ -283,6 +292,17 @@ class DaemonWithoutRoot : public ::testing::Test {
     daemon_ = std::make_unique<st::Daemon>(args, control());
   }
   std::string control() const { return state_ / "shareblk.sock"; }
+  // In a mount namespace of its own, a daemon whose FUSE mount root holds the directory `a`:
+  // that root.
+  std::string start_with_fuse_root() {
+    enter_private_mount_namespace();
+    const std::string root = files_ / "mounts";
+    if (HasFatalFailure()) return root;
+    EXPECT_EQ(::mkdir(root.c_str(), 0755), 0);
+    EXPECT_EQ(::mkdir((root + "/a").c_str(), 0755), 0);
+    start({"--fuse-mount-root", root});
+    return root;
+  }
   std::string daemon_uid() const {
     std::ifstream in("/proc/" + std::to_string(daemon_->pid()) + "/status");
     for (std::string line; std::getline(in, line);) {
@@ -351,12 +371,8 @@ TEST_F(DaemonWithoutRoot, ServesTheLvmStoreThroughItsHelper) {
 // stays until the daemon exits), rather than wait for a connection nobody can end.
 TEST_F(DaemonWithoutRoot, AFuseDetachEndsWhenItsHelperIsGone) {
   SHAREBLK_REQUIRE(::access("/dev/fuse", R_OK | W_OK) == 0, "needs /dev/fuse");
-  ASSERT_EQ(::unshare(CLONE_NEWNS), 0) << std::strerror(errno);
-  ASSERT_EQ(::mount("none", "/", nullptr, MS_REC | MS_PRIVATE, nullptr), 0);
-  const std::string root = files_ / "mounts";
-  ASSERT_EQ(::mkdir(root.c_str(), 0755), 0);
-  ASSERT_EQ(::mkdir((root + "/a").c_str(), 0755), 0);
-  start({"--fuse-mount-root", root});
+  const std::string root = start_with_fuse_root();
+  ASSERT_FALSE(HasFatalFailure());
   const std::string volume =
       st::rpc_ok(control(), "volume_create", {{"name", "v"}, {"size", "4M"}})["id"];
   const Json a = st::rpc_ok(
@@ -392,13 +408,8 @@ TEST_F(DaemonWithoutRoot, AnLvmStoreWithoutRootOrHelperIsRefusedAtStart) {
 
 TEST_F(DaemonWithoutRoot, MountsAndUnmountsFuseThroughItsHelper) {
   SHAREBLK_REQUIRE(::access("/dev/fuse", R_OK | W_OK) == 0, "needs /dev/fuse");
-  // This process and the daemon it starts get a mount namespace of their own.
-  ASSERT_EQ(::unshare(CLONE_NEWNS), 0) << std::strerror(errno);
-  ASSERT_EQ(::mount("none", "/", nullptr, MS_REC | MS_PRIVATE, nullptr), 0);
-  const std::string root = files_ / "mounts";
-  ASSERT_EQ(::mkdir(root.c_str(), 0755), 0);
-  ASSERT_EQ(::mkdir((root + "/a").c_str(), 0755), 0);
-  start({"--fuse-mount-root", root});
+  const std::string root = start_with_fuse_root();
+  ASSERT_FALSE(HasFatalFailure());
   const std::string volume =
       st::rpc_ok(control(), "volume_create", {{"name", "v"}, {"size", "4M"}})["id"];
   const Json connector = {{"host", "h"}, {"transport", "fuse"}, {"mountpoint", root + "/a"}};
