@@ -433,6 +433,7 @@ int run(int argc, char** argv) {
   std::unique_ptr<lvm::VolumeStore> store;
   std::unique_ptr<control::ControlPlane> plane;
   std::string control_socket;
+  int control_fd = -1;  // bound before root goes, served after
   if (vm.count("export")) {
     if (!passed.control.empty()) {
       std::cerr << "shareblkd: a control socket was passed (socket activation), but standalone "
@@ -542,9 +543,12 @@ int run(int argc, char** argv) {
     catalog = plane->catalog();
   }
 
+  // Everything is bound and opened first, while root may still be needed for it; no NBD
+  // connection or control call is taken until root is gone (below), or one that came early
+  // would be served with root's authority. (The metrics endpoint only reads figures.)
   target::Server server(options, catalog);
   std::string what;
-  if (std::error_code ec = server.start(what)) {
+  if (std::error_code ec = server.bind(what)) {
     std::cerr << "shareblkd: " << what << ": " << ec.message() << "\n";
     return 1;
   }
@@ -557,15 +561,14 @@ int run(int argc, char** argv) {
       endpoints.tcp = advertised_tcp(server.tcp_endpoints().front(), vm);
     }
     plane->bind(&server, endpoints);
-    const unsigned max_clients = vm["max-control-connections"].as<cmd::Count>().value;
-    if (!passed.control.empty()) control_socket = "passed by systemd";
-    if (std::error_code ec = passed.control.empty()
-                                 ? plane->listen(control_socket, max_clients, control_access, roles)
-                                 : plane->serve(passed.control.front(), max_clients, roles)) {
+    if (!passed.control.empty()) {
+      control_socket = "passed by systemd";
+      control_fd = passed.control.front();
+    } else if (std::error_code ec =
+                   target::listen_unix(control_socket, control_access, control_fd)) {
       std::cerr << "shareblkd: control socket " << control_socket << ": " << ec.message() << "\n";
       return 1;
     }
-    spdlog::info("control socket {} (store: {})", control_socket, store->kind());
   }
   // Standalone exports are labelled with their name as attachment and volume.
   metrics::Listener metrics_listener([&] {
@@ -603,6 +606,16 @@ int run(int argc, char** argv) {
     }
     spdlog::info("running as user {} (uid {}, gid {}), without capabilities", identity->user,
                  identity->uid, identity->gid);
+  }
+  server.serve();
+  if (plane) {
+    const unsigned max_clients = vm["max-control-connections"].as<cmd::Count>().value;
+    if (std::error_code ec = plane->serve(control_fd, max_clients, roles,
+                                          passed.control.empty() ? control_socket : "")) {
+      std::cerr << "shareblkd: control socket " << control_socket << ": " << ec.message() << "\n";
+      return 1;
+    }
+    spdlog::info("control socket {} (store: {})", control_socket, store->kind());
   }
 
   cmd::notify_ready(plane ? "serving; control socket " + control_socket : "serving exports");

@@ -162,15 +162,15 @@ Role role_of(const rights::Credentials& who, const Roles& roles) {
 
 std::error_code ControlPlane::listen(const std::string& path, size_t max_clients,
                                      target::SocketAccess access, Roles roles) {
-  Impl& s = *impl_;
   int fd = -1;
   if (std::error_code ec = target::listen_unix(path, access, fd)) return ec;
-  s.socket_path = path;
-  return serve(fd, max_clients, roles);
+  return serve(fd, max_clients, roles, path);
 }
 
-std::error_code ControlPlane::serve(int listening_fd, size_t max_clients, Roles roles) {
+std::error_code ControlPlane::serve(int listening_fd, size_t max_clients, Roles roles,
+                                    const std::string& socket_path) {
   Impl& s = *impl_;
+  s.socket_path = socket_path;
   s.max_clients = max_clients;
   s.roles = roles;
   // nbdkit's connections each hold a control connection for their whole life: some are kept

@@ -131,9 +131,12 @@ class ControlPlane {
   // (reason "forbidden") and is closed.
   std::error_code listen(const std::string& path, size_t max_clients,
                          target::SocketAccess access = {0600, std::nullopt}, Roles roles = {});
-  // The same on a socket already listening (systemd socket activation), which this takes:
-  // its descriptor is closed at stop(), the socket itself neither shut down nor removed.
-  std::error_code serve(int listening_fd, size_t max_clients, Roles roles = {});
+  // The same on a socket already listening, which this takes: its descriptor is closed at
+  // stop(). `socket_path` is the file stop() removes: the path target::listen_unix bound (a
+  // daemon that binds before dropping root and serves after), empty for a socket systemd
+  // passed (socket activation), which is neither shut down nor removed.
+  std::error_code serve(int listening_fd, size_t max_clients, Roles roles = {},
+                        const std::string& socket_path = {});
   void stop();
   // After stop() and the NBD server's: makes every write acknowledged to a client durable
   // (fdatasync of each open volume). False, logged, when a volume could not be flushed.

@@ -408,7 +408,7 @@ Server::~Server() {
   stop();
 }
 
-std::error_code Server::start(std::string& what) {
+std::error_code Server::bind(std::string& what) {
   Impl& s = *impl_;
   unsigned count = s.options.workers ? s.options.workers : std::thread::hardware_concurrency();
   count = std::max(1u, count);
@@ -487,10 +487,20 @@ std::error_code Server::start(std::string& what) {
                      ? "the kernel offers kTLS, which shareblk does not use yet"
                      : "this kernel offers no kTLS (no \"tls\" upper-layer protocol)");
   }
+  return {};
+}
+
+void Server::serve() {
+  Impl& s = *impl_;
   s.running = true;
   for (auto& l : s.listeners) {
     l.thread = std::thread([&s, &l] { s.accept_loop(l); });
   }
+}
+
+std::error_code Server::start(std::string& what) {
+  if (std::error_code ec = bind(what)) return ec;
+  serve();
   return {};
 }
 

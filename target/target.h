@@ -303,7 +303,13 @@ class Server {
   Server(const Server&) = delete;
   Server& operator=(const Server&) = delete;
 
-  // Binds every listener and starts the workers. Errors name the failing listener.
+  // Binds every listener and starts the workers; nothing is accepted yet. Errors name the
+  // failing listener. A daemon binds while it may still bind what needs root, then drops root,
+  // then serves: no connection is ever handled with authority the daemon gives up.
+  std::error_code bind(std::string& what);
+  // Starts accepting on every listener bound. Once, after a successful bind().
+  void serve();
+  // bind() and serve().
   std::error_code start(std::string& what);
   void stop();
 

@@ -303,6 +303,11 @@ class DaemonWithoutRoot : public ::testing::Test {
     start({"--fuse-mount-root", root});
     return root;
   }
+  // /proc's "Uid:" fields (real, effective, saved, file system) of nobody.
+  static std::string nobody() {
+    const std::string id = std::to_string(::getpwnam("nobody")->pw_uid);
+    return "\t" + id + "\t" + id + "\t" + id + "\t" + id;
+  }
   std::string daemon_uid() const {
     std::ifstream in("/proc/" + std::to_string(daemon_->pid()) + "/status");
     for (std::string line; std::getline(in, line);) {
@@ -331,9 +336,9 @@ TEST_F(DaemonWithoutRoot, ServesTheLvmStoreThroughItsHelper) {
   st::LoopVolumeGroup group(files_, vg, 128 * kMiB);
   ASSERT_TRUE(group.ok()) << group.why();
   start({"--store", "lvm:" + vg, "--lvm-config", group.daemon_config()});
-  const passwd* pw = ::getpwnam("nobody");
-  const std::string id = std::to_string(pw->pw_uid);
-  EXPECT_EQ(daemon_uid(), "\t" + id + "\t" + id + "\t" + id + "\t" + id);
+  st::rpc_ok(control(), "volume_list", Json::object());
+  EXPECT_EQ(daemon_uid(), nobody());
+  const std::string id = std::to_string(::getpwnam("nobody")->pw_uid);
 
   const std::string volume =
       st::rpc_ok(control(), "volume_create", {{"name", "v"}, {"size", "8M"}})["id"];
@@ -369,6 +374,23 @@ TEST_F(DaemonWithoutRoot, ServesTheLvmStoreThroughItsHelper) {
 
 // The helper a daemon started dies: a FUSE detach and the daemon's stop still end (the mount
 // stays until the daemon exits), rather than wait for a connection nobody can end.
+// Root is gone before the first call is taken: a daemon that listened first and dropped root
+// after served whoever called in between with root's authority (seen once in CI).
+TEST_F(DaemonWithoutRoot, AnswersItsFirstCallAlreadyWithoutRoot) {
+  // Many files for --user to hand over: a while between listening and dropping root.
+  const auto many = state_.path() / "many";
+  std::filesystem::create_directory(many);
+  for (int i = 0; i < 20000; ++i) std::ofstream(many / std::to_string(i));
+  for (int round = 0; round < 5; ++round) {
+    daemon_.reset();
+    start({});
+    st::rpc_ok(control(), "volume_list", Json::object());
+    ASSERT_EQ(daemon_uid(), nobody()) << "round " << round;
+    EXPECT_EQ(daemon_->stop(SIGTERM), 0) << daemon_->log();
+    daemon_.reset();
+  }
+}
+
 TEST_F(DaemonWithoutRoot, AFuseDetachEndsWhenItsHelperIsGone) {
   SHAREBLK_REQUIRE(::access("/dev/fuse", R_OK | W_OK) == 0, "needs /dev/fuse");
   const std::string root = start_with_fuse_root();
