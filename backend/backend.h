@@ -26,7 +26,9 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
+#include <string_view>
 #include <system_error>
 #include <vector>
 
@@ -38,6 +40,19 @@ namespace shareblk::backend {
 class RemoteImage;
 
 enum class AttachMode : uint8_t { ReadWrite, ReadOnly };
+
+// "rw" / "ro": an attachment's mode as the API, the state database and the gateways' shared
+// records write it (docs/api.md, "mode").
+constexpr std::string_view to_string(AttachMode mode) {
+  return mode == AttachMode::ReadOnly ? "ro" : "rw";
+}
+// The one parse of that text. Anything else is no mode: callers refuse it (a control call) or
+// take it as read-only (a record written elsewhere) -- never as read-write.
+constexpr std::optional<AttachMode> parse_attach_mode(std::string_view text) {
+  if (text == "rw") return AttachMode::ReadWrite;
+  if (text == "ro") return AttachMode::ReadOnly;
+  return std::nullopt;
+}
 
 enum class Op : uint8_t { Read, Write, Flush, Trim, WriteZeroes, Cache };
 

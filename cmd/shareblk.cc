@@ -14,12 +14,14 @@
 #include <sstream>
 #include <thread>
 
+#include "api/status.h"
 #include "cmd/cli_commands.h"
 #include "rpc/client.h"
 #include "text/printable.h"
 
 namespace po = boost::program_options;
 namespace cli = shareblk::cli;
+namespace api = shareblk::api;
 using Json = nlohmann::json;
 
 namespace {
@@ -167,11 +169,12 @@ int follow_job(shareblk::rpc::Client& client, const std::string& what, const std
       return shown.error->link ? 3 : 1;
     }
     const Json& v = shown.result;
-    const std::string status = v["status"].get<std::string>();
-    if (status != "deleting" && status != "creating") {
+    const std::optional<api::VolumeStatus> status =
+        api::parse_volume_status(v["status"].get<std::string>());
+    if (!status || !api::is_job_running(*status)) {
       if (bar && last >= 0) std::cerr << "\n";
       result = v;
-      if (status != "error") return 0;
+      if (status != api::VolumeStatus::Error) return 0;
       std::cerr << "shareblk: " << what << " " << escaped(volume_id)
                 << " is in error: " << text(v["status_reason"]) << "\n";
       return 1;
@@ -179,7 +182,7 @@ int follow_job(shareblk::rpc::Client& client, const std::string& what, const std
     const int percent = v["progress"].is_number() ? v["progress"].get<int>() : 0;
     if (bar && percent != last) {
       const int filled = percent / 5;
-      std::cerr << "\r" << status << " [" << std::string(filled, '#')
+      std::cerr << "\r" << api::to_string(*status) << " [" << std::string(filled, '#')
                 << std::string(20 - filled, ' ') << "] " << std::setw(3) << percent << "%"
                 << std::flush;
       last = percent;
@@ -517,8 +520,9 @@ int run(int argc, char** argv) {
   }
   Json result = outcome.result;
   int status = 0;
-  if (follow && result.is_object() &&
-      (result.value("status", "") == "deleting" || result.value("status", "") == "creating")) {
+  const std::optional<api::VolumeStatus> started =
+      result.is_object() ? api::parse_volume_status(result.value("status", "")) : std::nullopt;
+  if (follow && started && api::is_job_running(*started)) {
     status = follow_job(client, method.starts_with("snapshot_") ? "snapshot" : "volume",
                         result["id"].get<std::string>(), result);
     if (method == "volume_delete" && status == 0) view = cli::View::Raw;

@@ -460,11 +460,10 @@ int run(int argc, char** argv) {
                    spec.read_only ? "read-only" : "read-write",
                    volume->is_direct() ? ", O_DIRECT" : ", page cache");
       standalone_volumes.push_back(volume);
-      standalone_modes[spec.name] = spec.read_only ? "ro" : "rw";
-      exports->add(spec.name, target::Export{volume,
-                                             spec.read_only ? backend::AttachMode::ReadOnly
-                                                            : backend::AttachMode::ReadWrite,
-                                             spec.name, spec.path});
+      const auto mode =
+          spec.read_only ? backend::AttachMode::ReadOnly : backend::AttachMode::ReadWrite;
+      standalone_modes[spec.name] = backend::to_string(mode);
+      exports->add(spec.name, target::Export{volume, mode, spec.name, spec.path});
     }
     catalog = exports;
   } else {

@@ -30,6 +30,16 @@ constexpr std::array kTable = {
     Row{S::Detaching, E::Detach, S::Detaching},  // a detach that failed half way, retried
     Row{S::Detached, E::Detach, S::Detached},    // a retried detach returns it as it is
     Row{S::Detaching, E::Finish, S::Detached},
+    Row{S::Reserved, E::ChangeMode, S::Reserved},
+    Row{S::Attaching, E::ChangeMode, S::Attaching},
+    Row{S::Attached, E::ChangeMode, S::Attached},
+    Row{S::Reserved, E::TakeOver, S::Reserved},
+    Row{S::Attaching, E::TakeOver, S::Attaching},
+    Row{S::Attached, E::TakeOver, S::Attached},
+    Row{S::Reserved, E::ChangeQos, S::Reserved},
+    Row{S::Attaching, E::ChangeQos, S::Attaching},
+    Row{S::Attached, E::ChangeQos, S::Attached},
+    Row{S::Detaching, E::ChangeQos, S::Detaching},  // its connections still run meanwhile
 };
 
 constexpr std::array<std::pair<S, std::string_view>, 5> kNames = {{
@@ -59,6 +69,12 @@ std::string_view to_string(AttachEvent event) {
       return "detach";
     case E::Finish:
       return "finish detaching";
+    case E::ChangeMode:
+      return "change its mode";
+    case E::ChangeQos:
+      return "change its QoS";
+    case E::TakeOver:
+      return "take over as the writer";
   }
   return "unknown";
 }

@@ -5,9 +5,13 @@
 //      |                   +----+                    |
 //      +------- detach ----+-------- detach ---------+--> detaching --finish--> detached
 //
+// Three events keep the state: a mode change and a takeover need an attachment not yet
+// detaching; a QoS change one not yet detached.
+//
 // Every change of an attachment's state anywhere in control/ goes through transition(); an
 // event that the table does not allow is refused there with the reason `invalid_state`. The
-// table is the whole rule: nothing else compares states to decide what may happen. The states
+// table is the whole rule: nothing else compares states to decide what may happen (the
+// predicates below read it; views.cc only derives the volume's status from them). The states
 // and their meaning follow Cinder's volume_attachment.attach_status (docs/state.md).
 #pragma once
 
@@ -20,10 +24,13 @@ namespace shareblk::control {
 enum class AttachStatus { Reserved, Attaching, Attached, Detaching, Detached };
 
 enum class AttachEvent {
-  Connect,   // a connector arrives (attachment_create with one, or attachment_update)
-  Complete,  // the host says the volume is in use (attachment_complete)
-  Detach,    // attachment_delete or volume_detach begins: the export is refused from now on
-  Finish,    // its connections are closed: the detach is done (or a restart completes it)
+  Connect,     // a connector arrives (attachment_create with one, or attachment_update)
+  Complete,    // the host says the volume is in use (attachment_complete)
+  Detach,      // attachment_delete or volume_detach begins: the export is refused from now on
+  Finish,      // its connections are closed: the detach is done (or a restart completes it)
+  ChangeMode,  // attachment_update's mode (rw <-> ro)
+  ChangeQos,   // attachment_qos
+  TakeOver,    // volume_takeover makes it the volume's writer
 };
 
 // The name stored in the database and shown by the API ("reserved", ...).
@@ -43,6 +50,14 @@ AttachStatus transition(const std::string& attachment_id, AttachStatus from, Att
 // Not yet detached: it counts against multiattach and blocks volume_delete.
 inline bool is_live(AttachStatus s) {
   return s != AttachStatus::Detached;
+}
+// May write (its mode and the volume's writer permitting): what may still take over.
+inline bool may_hold_write_access(AttachStatus s) {
+  return next_status(s, AttachEvent::TakeOver).has_value();
+}
+// A detach has begun and not finished: what a restart finishes.
+inline bool is_detaching(AttachStatus s) {
+  return next_status(s, AttachEvent::Finish).has_value();
 }
 // Its export name admits clients and it has connection_info.
 inline bool is_serving(AttachStatus s) {

@@ -159,7 +159,7 @@ Json Service::attachment_create(const AttachmentSpec& spec) {
     // other gateway changed it since it was read.
     change_shared(v.id, [&](SharedAttachments& shared) {
       std::vector<AttachmentRow> current = local;
-      for (AttachmentRow& other : elsewhere(shared)) current.push_back(std::move(other));
+      for (AttachmentRow& other : elsewhere(v.id, shared)) current.push_back(std::move(other));
       refuse_second_user(current);
       shared.entries[a.id] = shared_entry(a);
       return true;
@@ -267,7 +267,7 @@ void Service::share_host(const std::string& volume_id, const AttachmentRow& a,
                          const std::string& host) {
   if (!volumes_.shared()) return;
   change_shared(volume_id, [&](SharedAttachments& shared) {
-    refuse_duplicate(elsewhere(shared), a, host);
+    refuse_duplicate(elsewhere(volume_id, shared), a, host);
     if (!shared.entries.contains(a.id)) return false;  // pruned: the others do not count it
     shared.entries[a.id]["attached_host"] = host;
     return true;
@@ -280,9 +280,7 @@ Json Service::attachment_qos(const std::string& id, const target::QosSpec& spec)
   Database::Transaction tx(db_);
   AttachmentRow a = find_attachment(tx, id);
   const VolumeRow v = find_volume(tx, volume_id);
-  if (a.attach_status == AttachStatus::Detached) {
-    throw ApiError("invalid_state", "attachment " + id + " is detached");
-  }
+  transition(a.id, a.attach_status, AttachEvent::ChangeQos);
   a.qos = qos_text(spec);
   tx.update_attachment(a);
   Json out = attachment_json(a, v);
@@ -325,7 +323,7 @@ Json Service::detach(const std::string& volume_id, const std::string& attachment
     v = find_volume(tx, volume_id);
   }
   a.attach_status = transition(a.id, a.attach_status, AttachEvent::Detach);
-  if (a.attach_status == AttachStatus::Detached) return attachment_json(a, v);  // done before
+  if (!is_live(a.attach_status)) return attachment_json(a, v);  // done before
   const bool journaled = journal_.record(a.id);
   if (!journaled) {
     try {
@@ -448,9 +446,8 @@ Json Service::attachment_list(const std::string& volume_id) {
   // One volume's: the other gateways' live ones too, from its record (a list of them all
   // would read every volume's record).
   if (!volume_id.empty() && volumes_.shared()) {
-    SharedAttachments shared = read_shared(volume_id);
-    for (const AttachmentRow& a : elsewhere(shared)) {
-      out.push_back(elsewhere_json(volume_id, a.id, shared.entries[a.id]));
+    for (const AttachmentRow& a : elsewhere(volume_id, read_shared(volume_id))) {
+      out.push_back(attachment_view(a));
     }
   }
   return out;

@@ -202,7 +202,8 @@ AttachmentRow attachment_from(const Statement& s) {
   a.volume_id = s.text(1);
   a.instance_uuid = s.text(2);
   a.attached_host = s.text(3);
-  a.mode = s.text(4) == "ro" ? backend::AttachMode::ReadOnly : backend::AttachMode::ReadWrite;
+  // The schema's CHECK admits only the two; anything else would be read-only, never writable.
+  a.mode = backend::parse_attach_mode(s.text(4)).value_or(backend::AttachMode::ReadOnly);
   // The CHECK constraint admits only the names parse_attach_status knows.
   a.attach_status = parse_attach_status(s.text(5)).value_or(AttachStatus::Detached);
   a.attach_time = s.text(6);
@@ -237,10 +238,6 @@ void bind_attachment(Statement& s, const AttachmentRow& a) {
 }
 
 }  // namespace
-
-std::string_view to_string(backend::AttachMode mode) {
-  return mode == backend::AttachMode::ReadOnly ? "ro" : "rw";
-}
 
 std::string_view to_string(WriterPolicy policy) {
   return policy == WriterPolicy::Single ? "single" : "multi";

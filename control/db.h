@@ -52,8 +52,8 @@ struct AttachmentRow {
   std::string volume_id;
   std::string instance_uuid;
   std::string attached_host;
-  backend::AttachMode mode = backend::AttachMode::ReadWrite;  // stored as "rw" | "ro"
-  AttachStatus attach_status = AttachStatus::Reserved;        // changed only by transition()
+  backend::AttachMode mode = backend::AttachMode::ReadOnly;  // stored as backend::to_string's
+  AttachStatus attach_status = AttachStatus::Reserved;       // changed only by transition()
   std::string attach_time;  // ISO 8601, empty when not yet attached
   std::string detach_time;
   std::string connector;  // JSON text, empty when none
@@ -63,6 +63,9 @@ struct AttachmentRow {
   // single-writer volume, detached). Set and cleared with the volume's writer.
   std::string write_access_since;
   std::string qos;  // its QoS spec as JSON text (control/qos.h); "" for none
+  // Not stored: the gateway that serves another gateway's attachment, read from the volume's
+  // shared record (docs/scale-out.md); empty for this gateway's own.
+  std::string gateway;
 };
 
 // A point-in-time copy of a volume (docs/snapshots.md): backing of its own in the store, under
@@ -99,9 +102,6 @@ struct DbError : std::runtime_error {
 
 // The schema this build writes. Version 0 is the unversioned schema of 0.1.0.
 inline constexpr int kSchemaVersion = 5;
-
-// "rw" / "ro", as stored and as the API shows them.
-std::string_view to_string(backend::AttachMode mode);
 
 class Database {
  public:

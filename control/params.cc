@@ -55,9 +55,9 @@ std::optional<bool> opt_bool(const Json& p, const char* key) {
 }
 
 backend::AttachMode opt_mode(const Json& p, const char* key) {
-  const std::string mode = opt_string(p, key).value_or("rw");
-  if (mode == "rw") return backend::AttachMode::ReadWrite;
-  if (mode == "ro") return backend::AttachMode::ReadOnly;
+  const std::optional<std::string> text = opt_string(p, key);
+  if (!text) return backend::AttachMode::ReadWrite;
+  if (const auto mode = backend::parse_attach_mode(*text)) return *mode;
   invalid(std::string(key) + " must be \"rw\" or \"ro\"");
 }
 

@@ -174,7 +174,7 @@ void Service::reconcile() {
   for (const std::string& id : journal_.pending()) {
     try {
       Database::Transaction tx(db_);
-      if (auto a = tx.attachment(id); a && a->attach_status != AttachStatus::Detached) {
+      if (auto a = tx.attachment(id); a && is_live(a->attach_status)) {
         a->attach_status = transition(a->id, a->attach_status, AttachEvent::Detach);
         a->attach_status = transition(a->id, a->attach_status, AttachEvent::Finish);
         a->detach_time = now_iso();
@@ -194,7 +194,7 @@ void Service::reconcile() {
   Database::Transaction tx(db_);
   std::vector<std::pair<std::string, std::string>> known;
   for (AttachmentRow a : tx.attachments()) {
-    if (a.attach_status == AttachStatus::Detaching) {
+    if (is_detaching(a.attach_status)) {
       a.attach_status = transition(a.id, a.attach_status, AttachEvent::Finish);
       a.detach_time = now_iso();
       tx.update_attachment(a);

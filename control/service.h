@@ -23,6 +23,7 @@
 #include <thread>
 #include <vector>
 
+#include "api/status.h"
 #include "control/api_error.h"
 #include "control/control.h"
 #include "control/db.h"
@@ -179,11 +180,11 @@ class Service {
   };
   // Empty for a store that is not shared. Throws ApiError (internal).
   SharedAttachments read_shared(const std::string& volume_id);
-  // The other gateways' entries, as rows that the attachment rules count.
-  std::vector<AttachmentRow> elsewhere(const SharedAttachments& shared) const;
-  // Another gateway's entry as an Attachment (docs/api.md): what the record holds, the rest
-  // null (the serving gateway knows it).
-  Json elsewhere_json(const std::string& volume_id, const std::string& id, const Json& entry) const;
+  // The other gateways' entries of `volume_id`'s record, as rows that the attachment rules
+  // count and attachment_view shows: live (detaching once revoked), their mode read failing
+  // closed.
+  std::vector<AttachmentRow> elsewhere(const std::string& volume_id,
+                                       const SharedAttachments& shared) const;
   // Another gateway's live attachment found by its id alone (through the store's link to its
   // volume): its volume and Attachment; nullopt when no other gateway has it. Throws ApiError
   // (internal) when the cluster cannot say.
@@ -324,6 +325,11 @@ class Service {
   // transaction: other calls need not wait for that).
   Json volume_json(const VolumeRow& v, const std::vector<AttachmentRow>& attachments,
                    const std::optional<IntentRow>& intent);
+  // An Attachment (docs/api.md) as any gateway knows it, from its row: what only the serving
+  // gateway knows (connector, connection_info, connections, write access, QoS) is null.
+  // Another gateway's attachment (a.gateway set) is shown this way.
+  Json attachment_view(const AttachmentRow& a) const;
+  // This gateway's attachment: attachment_view with what this gateway knows filled in.
   Json attachment_json(const AttachmentRow& a, const VolumeRow& v);
   Json snapshot_json(const SnapshotRow& s, const std::optional<IntentRow>& intent);
   Json connection_info(const AttachmentRow& a, const VolumeRow& v, const Json& connector);
@@ -384,8 +390,12 @@ std::string gateway_id(const std::filesystem::path& state_dir);
 // A path as mountpoints are compared: absolute, with the symlinks of its existing part
 // resolved, no "." or "..", no trailing "/".
 std::filesystem::path comparable_path(const std::filesystem::path& path);
-// in-use > attaching > reserved > detaching > available, from its attachments' states.
-std::string volume_status(const std::vector<AttachmentRow>& attachments);
+// A volume's status, derived on every read and never stored (docs/api.md, "Volume"): error
+// when `error`; else the job's when `intent` (deleting or creating); else the most advanced
+// state of its attachments: in-use > attaching > reserved > detaching > available. A
+// snapshot's the same, with no attachments.
+api::VolumeStatus derive_status(bool error, const std::optional<IntentRow>& intent,
+                                const std::vector<AttachmentRow>& attachments);
 // For the crash tests (tests/e2e_crash_test.cc) only: when the environment variable
 // SHAREBLK_TEST_KILL_AT names `point`, the daemon kills itself there with SIGKILL, as a
 // kill -9 at that moment would. Only in a build with SHAREBLK_TEST_HOOKS (the test presets);

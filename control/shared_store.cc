@@ -239,41 +239,35 @@ Service::SharedAttachments Service::read_shared(const std::string& volume_id) {
   return shared;
 }
 
-std::vector<AttachmentRow> Service::elsewhere(const SharedAttachments& shared) const {
+namespace {
+
+// Another gateway's entry of a volume's record as a row (docs/scale-out.md, "Attachments
+// across gateways"). Its mode fails closed; a revoked one waits for its gateway: detaching.
+AttachmentRow shared_row(const std::string& volume_id, const std::string& id, const Json& entry) {
+  AttachmentRow row;
+  row.id = id;
+  row.volume_id = volume_id;
+  row.gateway = entry.value("gateway", "");
+  row.instance_uuid = entry.value("instance_uuid", "");
+  row.attached_host = entry.value("attached_host", "");
+  row.mode =
+      backend::parse_attach_mode(entry.value("mode", "")).value_or(backend::AttachMode::ReadOnly);
+  row.attach_status =
+      entry.value("revoked", false) ? AttachStatus::Detaching : AttachStatus::Attached;
+  row.created_at = entry.value("created_at", "");
+  return row;
+}
+
+}  // namespace
+
+std::vector<AttachmentRow> Service::elsewhere(const std::string& volume_id,
+                                              const SharedAttachments& shared) const {
   std::vector<AttachmentRow> rows;
   for (const auto& [id, entry] : shared.entries.items()) {
     if (!entry.is_object() || entry.value("gateway", "") == gateway_id_) continue;
-    AttachmentRow row;
-    row.id = id;
-    row.instance_uuid = entry.value("instance_uuid", "");
-    row.attached_host = entry.value("attached_host", "");
-    row.mode = entry.value("mode", "rw") == "ro" ? backend::AttachMode::ReadOnly
-                                                 : backend::AttachMode::ReadWrite;
-    row.attach_status = AttachStatus::Attached;  // live, as far as this gateway can tell
-    rows.push_back(std::move(row));
+    rows.push_back(shared_row(volume_id, id, entry));
   }
   return rows;
-}
-
-Json Service::elsewhere_json(const std::string& volume_id, const std::string& id,
-                             const Json& entry) const {
-  const std::string host = entry.value("attached_host", "");
-  return Json{{"id", id},
-              {"volume_id", volume_id},
-              {"gateway", entry.value("gateway", "")},
-              {"instance_uuid", entry.value("instance_uuid", "")},
-              {"attached_host", host.empty() ? Json(nullptr) : Json(host)},
-              {"mode", entry.value("mode", "rw")},
-              // Live as far as the record says: revoked ones wait for their gateway.
-              {"attach_status", entry.value("revoked", false) ? "detaching" : "attached"},
-              {"attach_time", nullptr},
-              {"detach_time", nullptr},
-              {"connector", nullptr},
-              {"connection_info", nullptr},
-              {"connections", nullptr},
-              {"write_access", nullptr},
-              {"write_access_since", nullptr},
-              {"qos", nullptr}};
 }
 
 std::optional<std::pair<std::string, Json>> Service::find_elsewhere(
@@ -285,7 +279,7 @@ std::optional<std::pair<std::string, Json>> Service::find_elsewhere(
   if (!shared.entries.contains(attachment_id)) return std::nullopt;  // a stale link
   const Json& entry = shared.entries[attachment_id];
   if (!entry.is_object() || entry.value("gateway", "") == gateway_id_) return std::nullopt;
-  return std::pair(*volume_id, elsewhere_json(*volume_id, attachment_id, entry));
+  return std::pair(*volume_id, attachment_view(shared_row(*volume_id, attachment_id, entry)));
 }
 
 Json Service::shared_entry(const AttachmentRow& a) const {
@@ -430,7 +424,7 @@ void Service::act_on_revocations(const std::string& volume_id) {
       Database::Transaction tx(db_);
       a = tx.attachment(id);
     }
-    if (a && a->volume_id == volume_id && a->attach_status != AttachStatus::Detached) {
+    if (a && a->volume_id == volume_id && is_live(a->attach_status)) {
       spdlog::info("control: attachment {} of volume {}: revoked by gateway {}", id, volume_id, by);
       detach(volume_id, id);  // takes it out of the record too
     } else {
@@ -460,7 +454,7 @@ Json Service::detach_elsewhere(const std::string& volume_id, const std::string& 
     if (!read_shared(volume_id).entries.contains(attachment_id)) {
       return Json{{"id", attachment_id},
                   {"volume_id", volume_id},
-                  {"attach_status", "detached"},
+                  {"attach_status", to_string(AttachStatus::Detached)},
                   {"gateway", gateway}};
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(50));

@@ -173,7 +173,7 @@ Json Service::snapshot_delete(const std::string& id, bool wait) {
     }
   }
   start_delete(id);
-  if (!wait) return Json{{"id", id}, {"status", "deleting"}};
+  if (!wait) return Json{{"id", id}, {"status", api::to_string(api::VolumeStatus::Deleting)}};
   if (std::optional<ApiError> failure = jobs_.wait(id)) throw *failure;
   Database::Transaction tx(db_);
   if (tx.snapshot(id)) {
@@ -185,17 +185,20 @@ Json Service::snapshot_delete(const std::string& id, bool wait) {
 
 Json Service::snapshot_json(const SnapshotRow& s, const std::optional<IntentRow>& intent) {
   const std::optional<std::string> error = error_of(intent, s.id);
-  std::string status = error ? "error" : "available";
+  const api::VolumeStatus status = derive_status(error.has_value(), intent, {});
   Json progress = nullptr;
-  if (!error && intent) {
-    status = intent->action == IntentAction::Delete ? "deleting" : "creating";
+  if (api::is_job_running(status)) {
     const std::optional<VolumeJobs::State> job = jobs_.state(s.id);
     progress = job ? job->percent : 0;
   }
-  return Json{{"id", s.id},           {"volume_id", s.volume_id},
-              {"name", s.name},       {"size", s.size},
-              {"status", status},     {"status_reason", error ? Json(*error) : Json(nullptr)},
-              {"progress", progress}, {"created_at", s.created_at}};
+  return Json{{"id", s.id},
+              {"volume_id", s.volume_id},
+              {"name", s.name},
+              {"size", s.size},
+              {"status", api::to_string(status)},
+              {"status_reason", error ? Json(*error) : Json(nullptr)},
+              {"progress", progress},
+              {"created_at", s.created_at}};
 }
 
 }  // namespace shareblk::control

@@ -4,17 +4,26 @@
 
 namespace shareblk::control {
 
-std::string volume_status(const std::vector<AttachmentRow>& attachments) {
-  // Derived on every read, never stored: the most advanced state of any attachment.
-  for (AttachStatus status : {AttachStatus::Attached, AttachStatus::Attaching,
-                              AttachStatus::Reserved, AttachStatus::Detaching}) {
+api::VolumeStatus derive_status(bool error, const std::optional<IntentRow>& intent,
+                                const std::vector<AttachmentRow>& attachments) {
+  using api::VolumeStatus;
+  if (error) return VolumeStatus::Error;
+  if (intent) {
+    return intent->action == IntentAction::Delete ? VolumeStatus::Deleting : VolumeStatus::Creating;
+  }
+  // The attachment states that show, most advanced first.
+  constexpr std::array<std::pair<AttachStatus, VolumeStatus>, 4> kShown = {{
+      {AttachStatus::Attached, VolumeStatus::InUse},
+      {AttachStatus::Attaching, VolumeStatus::Attaching},
+      {AttachStatus::Reserved, VolumeStatus::Reserved},
+      {AttachStatus::Detaching, VolumeStatus::Detaching},
+  }};
+  for (const auto& [state, shown] : kShown) {
     for (const auto& a : attachments) {
-      if (a.attach_status == status) {
-        return status == AttachStatus::Attached ? "in-use" : std::string(to_string(status));
-      }
+      if (a.attach_status == state) return shown;
     }
   }
-  return "available";
+  return VolumeStatus::Available;
 }
 
 Json Service::connection_info(const AttachmentRow& a, const VolumeRow& v, const Json& connector) {
@@ -50,30 +59,51 @@ Json Service::connection_info(const AttachmentRow& a, const VolumeRow& v, const 
   return Json{{"driver_volume_type", "nbd"}, {"data", data}};
 }
 
-Json Service::attachment_json(const AttachmentRow& a, const VolumeRow& v) {
-  auto or_null = [](const std::string& s) { return s.empty() ? Json(nullptr) : Json(s); };
-  Json connector = a.connector.empty() ? Json(nullptr) : Json::parse(a.connector);
-  Json info = connection_info(a, v, connector);
-  // What its connections can do: a revocation the database could not record yet counts, and
-  // a writer only the journal holds (docs/fencing.md) shows when it became one.
-  const bool writes = may_write(a, v) && !exports_.is_revoked(a.id);
-  std::string since = writes ? a.write_access_since : std::string();
-  if (writes && since.empty() && v.writer == a.id) since = v.writer_since;
+namespace {
+Json or_null(const std::string& s) {
+  return s.empty() ? Json(nullptr) : Json(s);
+}
+}  // namespace
+
+Json Service::attachment_view(const AttachmentRow& a) const {
+  Json gateway = nullptr;  // a store of one gateway names none
+  if (!a.gateway.empty()) {
+    gateway = a.gateway;
+  } else if (volumes_.shared()) {
+    gateway = gateway_id_;
+  }
   return Json{{"id", a.id},
               {"volume_id", a.volume_id},
-              {"gateway", volumes_.shared() ? Json(gateway_id_) : Json(nullptr)},
+              {"gateway", std::move(gateway)},
               {"instance_uuid", a.instance_uuid},
               {"attached_host", or_null(a.attached_host)},
               {"mode", to_string(a.mode)},
               {"attach_status", to_string(a.attach_status)},
               {"attach_time", or_null(a.attach_time)},
               {"detach_time", or_null(a.detach_time)},
-              {"connector", std::move(connector)},
-              {"connection_info", std::move(info)},
-              {"connections", exports_.connections(a.id)},
-              {"write_access", writes},
-              {"write_access_since", or_null(since)},
-              {"qos", qos_json(qos_from_text(a.qos))}};
+              {"connector", nullptr},
+              {"connection_info", nullptr},
+              {"connections", nullptr},
+              {"write_access", nullptr},
+              {"write_access_since", nullptr},
+              {"qos", nullptr}};
+}
+
+Json Service::attachment_json(const AttachmentRow& a, const VolumeRow& v) {
+  Json out = attachment_view(a);
+  Json connector = a.connector.empty() ? Json(nullptr) : Json::parse(a.connector);
+  out["connection_info"] = connection_info(a, v, connector);
+  out["connector"] = std::move(connector);
+  out["connections"] = exports_.connections(a.id);
+  // What its connections can do: a revocation the database could not record yet counts, and
+  // a writer only the journal holds (docs/fencing.md) shows when it became one.
+  const bool writes = may_write(a, v) && !exports_.is_revoked(a.id);
+  std::string since = writes ? a.write_access_since : std::string();
+  if (writes && since.empty() && v.writer == a.id) since = v.writer_since;
+  out["write_access"] = writes;
+  out["write_access_since"] = or_null(since);
+  out["qos"] = qos_json(qos_from_text(a.qos));
+  return out;
 }
 
 Json Service::volume_json(Database::Transaction& tx, const VolumeRow& v) {
@@ -89,10 +119,9 @@ Json Service::volume_json(const VolumeRow& v, const std::vector<AttachmentRow>& 
   // A volume that cannot be attached says so, whatever its attachments' states: it is being
   // deleted or filled (with how far that has come), or its status is error.
   const std::optional<std::string> error = error_of(intent, v.id);
-  std::string status = error ? "error" : volume_status(all);
+  const api::VolumeStatus status = derive_status(error.has_value(), intent, all);
   Json progress = nullptr;
-  if (!error && intent) {
-    status = intent->action == IntentAction::Delete ? "deleting" : "creating";
+  if (api::is_job_running(status)) {
     const std::optional<VolumeJobs::State> job = jobs_.state(v.id);
     progress = job ? job->percent : 0;
   }
@@ -101,7 +130,7 @@ Json Service::volume_json(const VolumeRow& v, const std::vector<AttachmentRow>& 
               {"size", v.size},
               {"multiattach", v.multiattach},
               {"bootable", v.bootable},
-              {"status", status},
+              {"status", api::to_string(status)},
               {"status_reason", error ? Json(*error) : Json(nullptr)},
               {"progress", progress},
               {"created_at", v.created_at},

@@ -284,9 +284,7 @@ Json Service::volume_show(const std::string& id) {
       out["attachments_elsewhere"] = nullptr;
       return out;
     }
-    for (const AttachmentRow& a : elsewhere(shared)) {
-      others.push_back(elsewhere_json(id, a.id, shared.entries[a.id]));
-    }
+    for (const AttachmentRow& a : elsewhere(id, shared)) others.push_back(attachment_view(a));
     out["attachments_elsewhere"] = std::move(others);
   }
   return out;
@@ -302,7 +300,7 @@ Json Service::volume_delete(const std::string& id, bool wait) {
   {
     const VolumeLock lock = volumes_.lock(id);
     // Before the transaction: the cluster may keep it waiting (none for other stores).
-    const std::vector<AttachmentRow> others = elsewhere(read_shared(id));
+    const std::vector<AttachmentRow> others = elsewhere(id, read_shared(id));
     Database::Transaction tx(db_);
     find_volume(tx, id);
     const std::optional<IntentRow> intent = tx.intent(id);
@@ -335,7 +333,7 @@ Json Service::volume_delete(const std::string& id, bool wait) {
   }
   crash_point("volume_delete:intent");
   start_delete(id);
-  if (!wait) return Json{{"id", id}, {"status", "deleting"}};
+  if (!wait) return Json{{"id", id}, {"status", api::to_string(api::VolumeStatus::Deleting)}};
   if (std::optional<ApiError> failure = jobs_.wait(id)) throw *failure;
   Database::Transaction tx(db_);
   if (tx.volume(id)) {  // another job's, which we did not see fail
@@ -444,7 +442,7 @@ Json Service::volume_update(const VolumeChange& change) {
   if (auto multiattach = opt_bool(p, "multiattach"); multiattach && *multiattach != v.multiattach) {
     // Hypervisors decide caching and locking at attach time, so only an unattached volume
     // may change (Cinder's retype rule).
-    if (volume_status(tx.attachments(v.id)) != "available") {
+    if (derive_status(false, std::nullopt, tx.attachments(v.id)) != api::VolumeStatus::Available) {
       throw ApiError("volume_in_use", "multiattach can change only while the volume is available");
     }
     if (*multiattach && !policy().allow_multiattach) {
@@ -455,7 +453,7 @@ Json Service::volume_update(const VolumeChange& change) {
   if (auto policy = opt_writer_policy(p, "writer_policy"); policy && *policy != v.writer_policy) {
     // Who holds write access is decided as attachments come: a change under live
     // attachments would have to take it from some of them at once. Only while available.
-    if (volume_status(tx.attachments(v.id)) != "available") {
+    if (derive_status(false, std::nullopt, tx.attachments(v.id)) != api::VolumeStatus::Available) {
       throw ApiError("volume_in_use",
                      "writer_policy can change only while the volume is available");
     }

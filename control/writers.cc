@@ -14,8 +14,7 @@
 namespace shareblk::control {
 
 bool may_write(const AttachmentRow& a, const VolumeRow& v) {
-  return is_live(a.attach_status) && a.attach_status != AttachStatus::Detaching &&
-         a.mode == backend::AttachMode::ReadWrite &&
+  return may_hold_write_access(a.attach_status) && a.mode == backend::AttachMode::ReadWrite &&
          (v.writer_policy == WriterPolicy::Multi || v.writer == a.id);
 }
 
@@ -94,11 +93,7 @@ Json Service::volume_takeover(const std::string& volume_id, const std::string& a
                          " has writer_policy multi: every read-write attachment writes "
                          "(volume_update writer_policy single, while it is available)");
     }
-    if (!is_live(a.attach_status) || a.attach_status == AttachStatus::Detaching) {
-      throw ApiError("invalid_state", "attachment " + a.id + " is " +
-                                          std::string(to_string(a.attach_status)) +
-                                          "; only a live attachment can take over");
-    }
+    transition(a.id, a.attach_status, AttachEvent::TakeOver);
     if (a.mode != backend::AttachMode::ReadWrite) {
       throw ApiError("invalid_state", "attachment " + a.id +
                                           " is read-only; make it read-write first "
@@ -213,11 +208,7 @@ Json Service::change_mode(const std::string& id, backend::AttachMode mode) {
     a = find_attachment(tx, id);
     v = find_volume(tx, volume_id);
   }
-  if (!is_live(a.attach_status) || a.attach_status == AttachStatus::Detaching) {
-    throw ApiError("invalid_state", "attachment " + a.id + " is " +
-                                        std::string(to_string(a.attach_status)) +
-                                        "; cannot change its mode");
-  }
+  transition(a.id, a.attach_status, AttachEvent::ChangeMode);
   if (a.mode == mode) return attachment_json(a, v);  // nothing to change: a retried call
   const std::string now = now_iso();
   const std::string was_writer = v.writer;

@@ -281,7 +281,9 @@ void* shareblk_open(int readonly) {
     // nbdkit -r makes every attachment read-only; it never makes one writable. Neither does
     // the daemon while the attachment has no write access (a single-writer volume's
     // standby): it tells us to let go when that changes, and the client connects again.
-    const bool read_only = readonly != 0 || resolved.at("mode").get<std::string>() != "rw" ||
+    const bool read_only = readonly != 0 ||
+                           backend::parse_attach_mode(resolved.at("mode").get<std::string>()) !=
+                               backend::AttachMode::ReadWrite ||
                            !resolved.value("write_access", true);
     connection->io = read_only ? backend::Handle(std::move(volume), backend::AttachMode::ReadOnly)
                                : backend::Handle(std::move(volume), backend::AttachMode::ReadWrite,

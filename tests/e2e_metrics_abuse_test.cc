@@ -254,6 +254,9 @@ TEST_F(MetricsAbuseTest, IdleConnectionsCannotTakeTheDaemonsDescriptors) {
   }
   SHAREBLK_REQUIRE(mine.rlim_cur >= kIdle + 200, "the test's own descriptor limit is too low");
   start_daemon({"prlimit", "--nofile=256:256", "--"});
+  // Counted once the daemon serves (its socket exists a little earlier: bound as root, served
+  // after the drop).
+  st::rpc_ok(control(), "volume_list", Json::object());
   const size_t baseline = open_descriptors(daemon_->pid());
 
   // Slow clients first (a partial request each), then the idle flood.
