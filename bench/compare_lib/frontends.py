@@ -16,10 +16,11 @@ import os
 import re
 import shlex
 import shutil
-import socket
 import tempfile
 import time
 from pathlib import Path
+
+from shareblk import control
 
 from .context import Context, log
 from .procs import Process, StartError, run_cmd
@@ -28,28 +29,6 @@ from .servers import Server
 
 class ControlError(StartError):
     pass
-
-
-def control_call(sock_path: str, method: str, params: dict, timeout: float = 30) -> dict:
-    """One JSON-RPC 2.0 call on shareblkd's control socket: one JSON object per line."""
-    request = {"jsonrpc": "2.0", "id": 1, "method": method, "params": params}
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-        sock.settimeout(timeout)
-        sock.connect(sock_path)
-        sock.sendall(json.dumps(request).encode() + b"\n")
-        buf = b""
-        while b"\n" not in buf:
-            chunk = sock.recv(65536)
-            if not chunk:
-                raise ControlError(f"{method}: the control socket closed without a reply")
-            buf += chunk
-    try:
-        reply = json.loads(buf.split(b"\n", 1)[0])
-    except ValueError as e:
-        raise ControlError(f"{method}: a reply that is not JSON ({e})") from None
-    if reply.get("error") is not None:
-        raise ControlError(f"{method} failed: {json.dumps(reply['error'])}")
-    return reply["result"]
 
 
 def mount_points() -> set[str]:
@@ -93,8 +72,15 @@ class ManagedDaemon(Process):
         self.attachment_id: str | None = None
 
     def call(self, method: str, params: dict, timeout: float = 30) -> dict:
+        """One call on the control socket (shareblk.control); any failure is a ControlError."""
         try:
-            return control_call(self.control, method, params, timeout)
+            return control.ControlClient(self.control, timeout).call(method, params)
+        except control.ControlError as e:
+            raise ControlError(f"{method} failed: {json.dumps(e.error)}") from None
+        except control.ConnectionClosed:
+            raise ControlError(f"{method}: the control socket closed without a reply") from None
+        except ValueError as e:
+            raise ControlError(f"{method}: a reply that is not JSON ({e})") from None
         except OSError as e:
             raise ControlError(f"{method}: control socket {self.control}: {e}") from None
 

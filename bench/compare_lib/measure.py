@@ -2,22 +2,22 @@
 
 Contract: `ensure_backing` makes (once) the random, fully allocated backing file.
 `run_fio` drops the page cache (for a page-cache server, after reading the backing file
-once), runs one fio job against one server (or `local`), and returns a `Result` with
-throughput, latency, server CPU per I/O (from /proc, all threads and children), the page
-cache the run left and the disk's queue depth; it never raises for a failed run, it sets
-`Result.error`. `idle_connections` measures a fresh shareblkd's RSS
+once), runs one fio job (through the `fio` module) against one server (or `local`), and
+returns a `Result` with throughput, latency, server CPU per I/O (from /proc, all threads and
+children), the page cache the run left and the disk's queue depth; it never raises for a
+failed run, it sets `Result.error`. `idle_connections` measures a fresh shareblkd's RSS
 growth for 256 idle connections. Nothing here decides what is compared.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import shlex
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from . import fio
 from .context import MIB, Context, Result, human_size, log
 from .nbd import NbdError, nbd_close, nbd_open
 from .procs import StartError, descendants, run_cmd, vm_rss_kib
@@ -103,27 +103,16 @@ def settle_page_cache(ctx: Context) -> None:
         log(f"WARNING: cannot read {ctx.backing} ahead of a run: {e.strerror}")
 
 
-def load_fio_json(path: Path) -> dict:
-    text = path.read_text(errors="replace")
-    # The nbd engine prints "fio: connected to NBD server" lines ahead of the JSON.
-    start = text.find("{")
-    if start < 0:
-        raise ValueError("no JSON in fio output")
-    return json.JSONDecoder().raw_decode(text[start:])[0]
-
-
 def fio_command(job: Job, target, runtime: int, out: Path, ctx: Context) -> list[str]:
-    cmd = ["fio", f"--name={job.name}", f"--rw={job.rw}", f"--bs={job.bs}",
-           f"--iodepth={job.iodepth}", f"--numjobs={job.numjobs}", "--group_reporting",
-           "--time_based", f"--runtime={runtime}", "--unified_rw_reporting=mixed",
-           "--output-format=json", f"--output={out}"]
-    if job.rw.startswith("rand"):
-        cmd += ["--randrepeat=0", "--norandommap"]
-    if job.rwmixread is not None:
-        cmd.append(f"--rwmixread={job.rwmixread}")
+    rand = job.rw.startswith("rand")
+    cmd = ["fio", *fio.options(name=job.name, rw=job.rw, bs=job.bs, iodepth=job.iodepth,
+                               numjobs=job.numjobs, group_reporting=True, time_based=True,
+                               runtime=runtime, unified_rw_reporting="mixed"),
+           *fio.json_output(out),
+           *fio.options(randrepeat=0 if rand else None, norandommap=rand,
+                        rwmixread=job.rwmixread)]
     if target == "local":
-        cmd += ["--ioengine=io_uring", "--direct=1", f"--filename={ctx.backing}",
-                f"--size={ctx.size}"]
+        cmd += fio.options(ioengine="io_uring", direct=1, filename=ctx.backing, size=ctx.size)
     else:
         cmd += target.fio_target()
     return cmd
@@ -140,17 +129,14 @@ def parse_fio(res: Result, data: dict) -> None:
     ios = 0
     p50 = p99 = 0.0
     for j in jobs:  # one with group_reporting
-        dirs = [j["mixed"]] if "mixed" in j else [j[d] for d in ("read", "write") if d in j]
-        dirs = [d for d in dirs if d.get("total_ios", 0) > 0]
+        dirs = fio.directions(j)
         for d in dirs:
             iops += d["iops"]
             bw += d["bw_bytes"]
             ios += d["total_ios"]
         if dirs:
             main = max(dirs, key=lambda d: d["total_ios"])
-            pct = main["clat_ns"].get("percentile", {})
-            p50 = pct.get("50.000000", 0) / 1000
-            p99 = pct.get("99.000000", 0) / 1000
+            p50, p99 = fio.clat_us(main, 50), fio.clat_us(main, 99)
     if ios == 0:
         raise ValueError("fio completed no I/O")
     res.iops, res.mib_s, res.total_ios, res.p50_us, res.p99_us = iops, bw / MIB, ios, p50, p99
@@ -207,7 +193,6 @@ def run_fio(ctx: Context, job: Job, target, transport: str, rnd: int) -> Result:
     if not job.tmpfs and SERVERS.get(name, ("",))[0] == "cache":
         settle_page_cache(ctx)
     drop_caches(ctx)
-    out.unlink(missing_ok=True)
     ticks0 = kids0 = None
     if target != "local":
         kids0 = set(descendants(target.pid))
@@ -215,7 +200,8 @@ def run_fio(ctx: Context, job: Job, target, transport: str, rnd: int) -> Result:
     # The tmpfs jobs serve a /dev/shm file or RAM: no block device under them.
     disk = disk_stat_path(None if job.tmpfs else ctx.backing)
     disk0 = read_disk_stat(disk)
-    r = run_cmd(cmd, ctx.args.runtime + 90, **({"env": {**os.environ, **fio_env}} if fio_env else {}))
+    r = fio.run(cmd, out, ctx.args.runtime + 90,
+                **({"env": {**os.environ, **fio_env}} if fio_env else {}))
     disk1 = read_disk_stat(disk)
     if disk0 is not None and disk1 is not None and disk1[0] > disk0[0]:
         wall_ms = (disk1[0] - disk0[0]) * 1000
@@ -233,7 +219,7 @@ def run_fio(ctx: Context, job: Job, target, transport: str, rnd: int) -> Result:
     try:
         if r.returncode != 0:
             raise ValueError(f"fio exit status {r.returncode}")
-        parse_fio(res, load_fio_json(out))
+        parse_fio(res, r.report())
     except (OSError, ValueError, KeyError) as e:
         stderr = " | ".join(line for line in (r.stderr or "").splitlines() if line.strip())[-600:]
         res.error = (res.error + "; " if res.error else "") + f"{e}: {stderr or '(no stderr)'}"
@@ -249,10 +235,10 @@ def run_fio(ctx: Context, job: Job, target, transport: str, rnd: int) -> Result:
 def prefill(ctx: Context, server: Server) -> None:
     """Writes the whole nbdkit memory disk once so that reads do not hit holes."""
     out = ctx.fio_dir / f"{server.transport}-prefill-{server.name}.json"
-    cmd = ["fio", "--name=prefill", "--ioengine=nbd", f"--uri={server.uri}", "--rw=write",
-           "--bs=1M", "--iodepth=8", "--output-format=json", f"--output={out}"]
+    cmd = ["fio", *fio.options(name="prefill", ioengine="nbd", uri=server.uri, rw="write",
+                               bs="1M", iodepth=8), *fio.json_output(out)]
     log(f"  prefilling {server.name} ({human_size(server.size)})")
-    r = run_cmd(cmd, 600)
+    r = fio.run(cmd, out, 600)
     if r.returncode != 0:
         raise StartError(f"prefill failed ({r.returncode}): {(r.stderr or '').strip()[-300:]}")
 

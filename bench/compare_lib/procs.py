@@ -91,11 +91,13 @@ def vm_rss_kib(pid: int) -> int | None:
     return None
 
 
-def run_cmd(cmd: list[str], timeout: float, **kw) -> subprocess.CompletedProcess:
-    """subprocess.run with a time limit that also kills the command's own process group
-    (fio forks one process per job)."""
+def run_cmd(cmd: list[str], timeout: float | None, stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, **kw) -> subprocess.CompletedProcess:
+    """subprocess.run with a time limit (None: none) that also kills the command's own process
+    group (fio forks one process per job). Its output is captured (text) unless STDOUT or
+    STDERR say otherwise (subprocess.DEVNULL, subprocess.STDOUT, None to inherit)."""
     proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        cmd, stdout=stdout, stderr=stderr, text=True,
         start_new_session=True, **kw,
     )
     try:

@@ -20,13 +20,13 @@ import shlex
 import shutil
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from .context import MIB, REPO, Context, Result, human_size, log, parse_size
+from . import fio
+from .context import REPO, Context, Result, human_size, log, parse_size
 from .jobs import JOB_BY_NAME, Job, ServerPool, record
 from .measure import ensure_backing
 from .procs import StartError, run_cmd, tool_version
@@ -131,8 +131,9 @@ class TlsServer(Server):
     def probe_cipher(self) -> str:
         """What fio's own libnbd negotiates: a few reads with LIBNBD_DEBUG=1."""
         env = {**os.environ, **self.fio_env, "LIBNBD_DEBUG": "1"}
-        r = run_cmd(["fio", "--name=probe", "--rw=randread", "--bs=4k", "--io_size=64k",
-                     "--ioengine=nbd", f"--uri={self.uri}", "--output=/dev/null"], 60, env=env)
+        r = fio.run(["fio", *fio.options(name="probe", rw="randread", bs="4k", io_size="64k",
+                                         ioengine="nbd", uri=self.uri, output="/dev/null")],
+                    None, 60, env=env)
         m = re.search(r"connection is using TLS: (.*)", r.stderr or "")
         if m:
             return m.group(1).strip()
@@ -163,12 +164,9 @@ class TlsSetup:
 
 def fio_client_cpu(ctx: Context, job: str, transport: str, server: str, rnd: int) -> float | None:
     """fio's own CPU (its job thread: libnbd, and with TLS GnuTLS) per I/O, in µs."""
-    import json
     path = ctx.fio_dir / f"{transport}-{job}-{server}-r{rnd}.json"
     try:
-        text = path.read_text(errors="replace")
-        data = json.JSONDecoder().raw_decode(text[text.find("{"):])[0]
-        j = data["jobs"][0]
+        j = fio.load(path)["jobs"][0]
         ios = sum(j[d]["total_ios"] for d in ("mixed", "read", "write") if d in j)
         runtime_ms = j.get("job_runtime") or max(j[d]["runtime"] for d in ("mixed", "read", "write") if d in j)
         return (j["usr_cpu"] + j["sys_cpu"]) / 100 * runtime_ms * 1000 / ios if ios else None

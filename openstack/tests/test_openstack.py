@@ -1,12 +1,14 @@
 """The OpenStack glue against the real pieces (issue 24): Debian 12's python3-cinder, -os-brick
 and -nova, a real shareblkd, QEMU's and libnbd's NBD clients, nbdfuse and a loop device.
 
-Run with Debian's python (the pyenv one lacks these packages):
-    SHAREBLKD=build/release/cmd/shareblkd /usr/bin/python3 -m unittest discover -s openstack/tests
-ctest runs it as openstack.python. A missing package or tool skips (exit 77) with its reason,
-except under CI=true, where it fails.
+Run with Debian's python (the pyenv one lacks these packages), openstack/ on the module path:
+    SHAREBLKD=build/release/cmd/shareblkd PYTHONPATH=openstack \
+        /usr/bin/python3 -m unittest discover -s openstack/tests
+ctest runs it as openstack.python (with the same PYTHONPATH). A missing package or tool skips
+(exit 77) with its reason, except under CI=true, where it fails.
 """
 
+import importlib
 import json
 import os
 import pwd
@@ -24,7 +26,6 @@ from pathlib import Path
 from unittest import mock
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
 ROOT = HERE.parent.parent
 SHAREBLKD = os.environ.get("SHAREBLKD", str(ROOT / "build/release/cmd/shareblkd"))
 NOVA_PATCH = HERE.parent / "nova" / "libvirt-nbd-volume-driver.patch"
@@ -34,12 +35,17 @@ INSTANCES = {}  # a test's instance names -> the UUIDs Cinder's objects want
 def missing():
     """Why this suite cannot run here, or None."""
     try:
-        import cinder  # noqa: F401
-        import nova  # noqa: F401
-        import os_brick  # noqa: F401
-        import nbd  # noqa: F401
+        for module in ("cinder", "nova", "os_brick", "nbd"):
+            importlib.import_module(module)
     except ImportError as e:
         return f"needs Debian's python3-cinder, python3-nova, python3-os-brick, python3-libnbd ({e})"
+    try:
+        shareblk = importlib.import_module("shareblk")
+    except ImportError:
+        return f"needs {HERE.parent} on PYTHONPATH (the shareblk package under test)"
+    if Path(shareblk.__file__).resolve().parent != HERE.parent / "shareblk":
+        return (f"imports shareblk from {shareblk.__file__}, not the one under test: "
+                f"needs {HERE.parent} first on PYTHONPATH")
     for tool in ("qemu-io", "nbdfuse", "losetup", "fusermount3", "patch"):
         if shutil.which(tool) is None:
             return f"needs {tool}"

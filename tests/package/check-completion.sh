@@ -29,7 +29,7 @@ expect_all() { # what, the words expected (newline-separated), what was offered
   local missing
   missing=$(comm -23 <(sort -u <<<"$2") <(sort -u <<<"$3"))
   if [ -n "$missing" ]; then
-    echo "FAIL: $1 does not offer:" $missing >&2
+    echo "FAIL: $1 does not offer: ${missing//$'\n'/ }" >&2
     fail=1
   fi
 }
