@@ -143,11 +143,11 @@ Connection::Connection(Worker& worker, int fd, Session session, std::unique_ptr<
 }
 
 Connection::~Connection() {
-  if (flush_scheduled_) worker_.cancel_flush(this);
-  if (tls_read_scheduled_) worker_.cancel_tls_read(this);
-  if (!broken_) say_goodbye();
+  if (send_ == SendState::Scheduled) worker_.cancel_flush(this);
+  if (recv_ == RecvPending::TlsScheduled) worker_.cancel_tls_read(this);
+  if (socket_ != SocketState::Broken) say_goodbye();
   if (waiting_for_budget_) worker_.cancel_wait_for_budget(this);
-  if (awaiting_payload_) worker_.payload_ended();
+  if (payload_watched_) worker_.payload_ended();
   if (qos_timer_) worker_.cancel_qos_wait(*qos_timer_);
   ::close(fd_);
 }
@@ -157,7 +157,7 @@ void Connection::start() {
 }
 
 void Connection::drain() {
-  reading_ = false;
+  set_receive(ReceiveState::Stopped);
   // Requests waiting for their QoS turn end here, never run: that turn may be minutes away,
   // and nobody is to wait for it, neither this close nor the others sharing the limits.
   qos_release(/*answer=*/false);
@@ -166,9 +166,9 @@ void Connection::drain() {
 }
 
 void Connection::abort() {
-  if (!broken_) say_goodbye();
-  reading_ = false;
-  broken_ = true;
+  if (socket_ != SocketState::Broken) say_goodbye();
+  set_receive(ReceiveState::Stopped);
+  socket_ = SocketState::Broken;
   drop_replies();
   qos_release(/*answer=*/false);
   ::shutdown(fd_, SHUT_RDWR);
@@ -185,16 +185,14 @@ void Connection::wind_down() {
 }
 
 void Connection::maybe_stop_reading() {
-  if (!winding_down_ || !reading_ || in_storage_ > 0 || payload_for_ != nullptr ||
-      discard_left_ > 0) {
-    return;
-  }
-  reading_ = false;
+  if (!winding_down_ || receive_ != ReceiveState::Header || in_storage_ > 0) return;
+  set_receive(ReceiveState::Stopped);
   ::shutdown(fd_, SHUT_RD);  // completes a pending receive with end-of-file
 }
 
 void Connection::drop_replies() {
-  if (send_pending_) return;  // the kernel may still read their buffers; on_sent comes back
+  // The kernel may still read their buffers; on_sent comes back.
+  if (send_ == SendState::InFlight) return;
   while (sendq_head_ != nullptr) {
     Request* r = sendq_head_;
     sendq_head_ = r->next;
@@ -205,18 +203,19 @@ void Connection::drop_replies() {
 
 void Connection::post_recv() {
   track_payload();  // every path that parses comes here after it
-  if (recv_pending_) return;
-  if (!reading_ || broken_) {
+  if (recv_ != RecvPending::None) return;
+  if (receive_ == ReceiveState::Stopped) {
     drop_partial_request();
     return;
   }
-  if (payload_for_ != nullptr) {
+  if (receive_ == ReceiveState::Payload) {
     recv_payload();
     return;
   }
   // Back-pressure: a client with too much in flight waits for replies before we read more.
-  // Not while skipping a payload, which takes no memory and whose request counts in flight.
-  if (discard_left_ == 0 && must_wait()) return;
+  // Not while skipping a payload (Discard), which takes no memory and whose request counts in
+  // flight.
+  if (receive_ == ReceiveState::Header && must_wait()) return;
   if (rend_ - rpos_ >= kRequestSize) return;
   if (rpos_ > 0) {
     std::memmove(rbuf_.get(), rbuf_.get() + rpos_, rend_ - rpos_);
@@ -240,20 +239,21 @@ void Connection::recv_payload() {
     return;
   }
   if (static_cast<size_t>(wake_at_) != left) wake_reader_at(fd_, wake_at_ = static_cast<int>(left));
-  recv_pending_ = true;
+  recv_ = RecvPending::Posted;
   worker_.ring().recv(fd_, into, left, &recv_done_, /*once_readable=*/true);
 }
 
 void Connection::recv_into(char* into, size_t length) {
-  recv_pending_ = true;
   if (!tls_) {
+    recv_ = RecvPending::Posted;
     worker_.ring().recv(fd_, into, length, &recv_done_);
     return;
   }
   tls_into_ = into;
   tls_room_ = length;
-  if (tls_failed_ || tls_->readable()) {  // not from here: the caller may be mid-reply
-    tls_read_scheduled_ = true;
+  // Not from here: the caller may be mid-reply.
+  if (socket_ == SocketState::TlsFailing || tls_->readable()) {
+    recv_ = RecvPending::TlsScheduled;
     worker_.schedule_tls_read(this);
     return;
   }
@@ -261,7 +261,7 @@ void Connection::recv_into(char* into, size_t length) {
 }
 
 void Connection::on_recv(int res) {
-  recv_pending_ = false;
+  recv_ = RecvPending::None;
   unread_seen_ = 0;
   if (res == -EINTR || res == -EAGAIN) {
     post_recv();
@@ -269,11 +269,11 @@ void Connection::on_recv(int res) {
   }
   // End of file, a reset, a host gone silent (--peer-timeout-ms), or our own drain().
   if (res <= 0) {
-    if (res < 0 && reading_ && !broken_) {
+    if (res < 0 && receive_ != ReceiveState::Stopped) {  // not Broken either
       client_log().warn_line(
           "lost", fmt::format("nbd: lost a client of {}: {}", group(), std::strerror(-res)));
     }
-    reading_ = false;
+    set_receive(ReceiveState::Stopped);
     drop_partial_request();
     qos_release(/*answer=*/false);  // the client is gone: nobody takes their replies
     maybe_close();
@@ -282,13 +282,13 @@ void Connection::on_recv(int res) {
   {
     Hold hold(*this);
     // One clock read per receive, not per request: the requests it holds arrived together.
-    if (kCountRequests || awaiting_payload_) received_at_ = std::chrono::steady_clock::now();
-    if (awaiting_payload_) payload_progress_ = received_at_;
-    if (payload_for_ != nullptr) {
+    if (kCountRequests || payload_watched_) received_at_ = std::chrono::steady_clock::now();
+    if (payload_watched_) payload_progress_ = received_at_;
+    if (payload_for_ != nullptr) {  // Payload, or Stopped during it
       payload_got_ += static_cast<uint32_t>(res);
       if (payload_got_ == payload_for_->length) {
-        Request* r = payload_for_;
-        payload_for_ = nullptr;
+        Request* r = std::exchange(payload_for_, nullptr);
+        if (receive_ == ReceiveState::Payload) set_receive(ReceiveState::Header);
         dispatch(r);
       }
     } else {
@@ -315,8 +315,8 @@ void Connection::drop_partial_request() {
 // off a connection whose payload stops arriving (ServerOptions::payload_timeout).
 void Connection::track_payload() {
   const bool awaiting = payload_for_ != nullptr || discard_left_ > 0;
-  if (awaiting == awaiting_payload_) return;
-  awaiting_payload_ = awaiting;
+  if (awaiting == payload_watched_) return;
+  payload_watched_ = awaiting;
   if (awaiting) {
     payload_progress_ = std::chrono::steady_clock::now();
     worker_.payload_awaited();
@@ -326,7 +326,9 @@ void Connection::track_payload() {
 }
 
 bool Connection::payload_stalled_since(std::chrono::steady_clock::time_point since) {
-  if (!awaiting_payload_ || broken_ || payload_progress_ >= since) return false;
+  if (!payload_watched_ || socket_ == SocketState::Broken || payload_progress_ >= since) {
+    return false;
+  }
   if (wake_at_ == 1) return true;
   // Under a low-water mark bytes can have come without waking us: more of them is progress.
   const int unread = unread_bytes(fd_);
@@ -358,15 +360,17 @@ void Connection::resume() {
 
 void Connection::parse() {
   Hold hold(*this);
-  while (reading_ && payload_for_ == nullptr) {
-    if (discard_left_ > 0) {  // payload of a refused WRITE: read and dropped, keeps us in sync
+  for (;;) {
+    if (receive_ == ReceiveState::Discard) {
       size_t n = std::min<uint64_t>(discard_left_, rend_ - rpos_);
       rpos_ += n;
       discard_left_ -= n;
       if (discard_left_ > 0) break;
+      set_receive(ReceiveState::Header);
       finish_request(std::exchange(refused_, nullptr), refused_err_);
       continue;
     }
+    if (receive_ != ReceiveState::Header) break;  // Payload: on_recv() takes it; Stopped
     if (must_wait()) break;
     if (rend_ - rpos_ < kRequestSize) break;
     nbd::Request h = decode_request(reinterpret_cast<const uint8_t*>(rbuf_.get() + rpos_));
@@ -389,7 +393,7 @@ bool Connection::begin_request(const nbd::Request& h) {
     return false;
   }
   if (h.type == kCmdDisc) {
-    reading_ = false;  // requests in flight are still answered, then we close
+    set_receive(ReceiveState::Stopped);  // requests in flight are still answered, then we close
     return false;
   }
   Request* r = worker_.get_request();
@@ -449,6 +453,7 @@ bool Connection::begin_request(const nbd::Request& h) {
       refused_ = r;
       refused_err_ = err;
       discard_left_ = h.length;
+      set_receive(ReceiveState::Discard);
     } else {
       finish_request(r, err);
     }
@@ -461,6 +466,7 @@ bool Connection::begin_request(const nbd::Request& h) {
     if (have < h.length) {
       payload_for_ = r;
       payload_got_ = have;
+      set_receive(ReceiveState::Payload);
       return true;
     }
   }
@@ -515,7 +521,7 @@ void Connection::qos_resume() {
 }
 
 void Connection::qos_start_ready() {
-  if (broken_) {
+  if (socket_ == SocketState::Broken) {
     qos_release(/*answer=*/false);
     return;
   }
@@ -543,8 +549,8 @@ void Connection::qos_start_ready() {
     if (qos_head_ == nullptr) qos_tail_ = nullptr;
     r->qos_charged = false;
     run(r);
-    if (qos_head_ == r) return;  // held by a pause again; its timer is set
-    if (broken_) {               // its reply failed to go: the rest are dropped
+    if (qos_head_ == r) return;            // held by a pause again; its timer is set
+    if (socket_ == SocketState::Broken) {  // its reply failed to go: the rest are dropped
       qos_release(/*answer=*/false);
       return;
     }
@@ -603,7 +609,7 @@ void Connection::finish_request(Request* r, int err) {
     counters_.record(kind_of(r->type), r->length, err,
                      std::chrono::steady_clock::now() - r->received);
   }
-  if (broken_) {
+  if (socket_ == SocketState::Broken) {
     release(r);
   } else {
     encode_reply(r, err);
@@ -625,9 +631,12 @@ void Connection::release(Request* r) {
 
 void Connection::maybe_close() {
   maybe_stop_reading();
-  if (holds_ > 0 || reading_ || recv_pending_ || send_pending_ || inflight_ > 0) return;
+  if (holds_ > 0 || receive_ != ReceiveState::Stopped || recv_ != RecvPending::None ||
+      send_ == SendState::InFlight || inflight_ > 0) {
+    return;
+  }
   // Records of the last replies still to go out (a short send); they go before the close.
-  if (tls_ && !broken_ && tls_->has_output()) return;
+  if (tls_ && socket_ != SocketState::Broken && tls_->has_output()) return;
   worker_.connection_finished(this);  // deletes this
 }
 

@@ -144,21 +144,21 @@ void Connection::queue_reply(Request* r) {
 }
 
 void Connection::send_more() {
-  if (send_pending_ || broken_ || flush_scheduled_) return;
+  if (send_ != SendState::Idle || socket_ == SocketState::Broken) return;
   if (sendq_head_ == nullptr && !(tls_ && tls_->has_output())) return;
   // Replies wait for the end of the worker's batch of completions, then go out in one
   // sendmsg straight from the thread; only a full socket makes it an io_uring operation.
-  flush_scheduled_ = true;
+  send_ = SendState::Scheduled;
   worker_.schedule_flush(this);
 }
 
 void Connection::flush(bool with_others) {
-  flush_scheduled_ = false;
+  send_ = SendState::Idle;  // never InFlight here: a send in flight schedules none
   if (tls_) {
     tls_flush(with_others);
     return;
   }
-  if (send_pending_ || sendq_head_ == nullptr || broken_) return;
+  if (sendq_head_ == nullptr || socket_ == SocketState::Broken) return;
   int n = 0;
   for (Request* r = sendq_head_; r != nullptr; r = r->next) {
     const int count = r->iov_count - r->iov_first;
@@ -180,24 +180,25 @@ void Connection::send_prepared(bool with_others) {
     }
   }
   worker_.ring().sendmsg(fd_, &send_msg_, &send_done_);  // sent when there is room
-  send_pending_ = true;
+  send_ = SendState::InFlight;
   send_posted_ = std::chrono::steady_clock::now();
   worker_.send_queued();
 }
 
 void Connection::on_sent(int res) {
-  if (send_pending_) {
-    send_pending_ = false;
+  if (send_ == SendState::InFlight) {  // else sent at once, from send_prepared()
+    send_ = SendState::Idle;
     worker_.send_ended();
   }
   if (res == -EINTR || res == -EAGAIN) {
     send_more();
     return;
   }
-  if (res <= 0 || broken_) {  // the client is gone: drop every reply still queued
-    if (!broken_) {
-      broken_ = true;
-      reading_ = false;
+  // The client is gone: drop every reply still queued.
+  if (res <= 0 || socket_ == SocketState::Broken) {
+    if (socket_ != SocketState::Broken) {
+      socket_ = SocketState::Broken;
+      set_receive(ReceiveState::Stopped);
       ::shutdown(fd_, SHUT_RDWR);  // also ends a pending receive
     }
     drop_replies();

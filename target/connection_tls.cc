@@ -16,13 +16,14 @@ namespace shareblk::target {
 // has room for it now and no records are half sent; nothing waits for a client that takes
 // nothing.
 void Connection::say_goodbye() {
-  if (!tls_ || send_pending_ || tls_->has_output()) return;
+  if (!tls_ || send_ == SendState::InFlight || tls_->has_output()) return;
   tls_->close_notify();
   const std::string_view out = tls_->output();
   if (!out.empty()) (void)::send(fd_, out.data(), out.size(), MSG_DONTWAIT | MSG_NOSIGNAL);
 }
 
 void Connection::post_cipher_recv() {
+  recv_ = RecvPending::Posted;
   size_t room = 0;
   char* space = tls_->cipher_space(room);
   worker_.ring().recv(fd_, space, room, &cipher_done_);
@@ -42,16 +43,17 @@ void Connection::on_cipher(int res) {
 }
 
 void Connection::tls_read() {
-  tls_read_scheduled_ = false;
-  if (!reading_ || broken_) {  // drain() or abort() came first: as if the socket had ended
+  recv_ = RecvPending::Posted;  // the worker's call, or on_cipher()'s: on_recv() follows
+  // drain() or abort() came first (Broken comes with Stopped): as if the socket had ended.
+  if (receive_ == ReceiveState::Stopped) {
     on_recv(0);
     return;
   }
   // As much of the stream as is here and fits: a 1 MiB payload is many records.
   size_t got = 0;
-  ssize_t n = tls_failed_ ? -EPROTO : 0;
-  while (!tls_failed_ && got < tls_room_ &&
-         (n = tls_->read(tls_into_ + got, tls_room_ - got)) > 0) {
+  const bool failing = socket_ == SocketState::TlsFailing;
+  ssize_t n = failing ? -EPROTO : 0;
+  while (!failing && got < tls_room_ && (n = tls_->read(tls_into_ + got, tls_room_ - got)) > 0) {
     got += static_cast<size_t>(n);
   }
   // Reading may have made records to send (a TLS 1.3 key update is answered).
@@ -59,7 +61,7 @@ void Connection::tls_read() {
   if (got > 0) {
     // The bytes before a record that failed are the client's requests all the same; the
     // failure ends the connection at the next read, which recv_into() then does at once.
-    tls_failed_ = n < 0 && n != -EAGAIN;
+    if (n < 0 && n != -EAGAIN) socket_ = SocketState::TlsFailing;
     on_recv(static_cast<int>(got));
     return;
   }
@@ -71,7 +73,8 @@ void Connection::tls_read() {
     spdlog::warn("nbd: a client of {} sent a TLS record that fails, disconnecting", group());
     // Nothing more can be encrypted for it either: its replies go unsent, as for a client
     // that is gone. (Not abort(): it may delete this connection; on_recv() closes it.)
-    broken_ = true;
+    socket_ = SocketState::Broken;
+    set_receive(ReceiveState::Stopped);
     drop_replies();
     qos_release(/*answer=*/false);
     ::shutdown(fd_, SHUT_RDWR);
@@ -83,7 +86,7 @@ void Connection::tls_read() {
 // send is sent before more is encrypted, so that a client that takes its replies slowly holds
 // at most one batch of them twice (plaintext and records).
 void Connection::tls_flush(bool with_others) {
-  if (send_pending_ || broken_) return;
+  if (socket_ == SocketState::Broken) return;  // flush() calls it: no send is in flight
   if (!tls_->has_output() && sendq_head_ != nullptr) {
     // At most this much plaintext per batch: the rest waits for the records to leave.
     constexpr size_t kBatchBytes = 256 * 1024;

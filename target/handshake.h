@@ -7,7 +7,7 @@
 #include <optional>
 #include <string>
 
-#include "target/target.h"
+#include "target/server.h"
 
 namespace shareblk::target {
 

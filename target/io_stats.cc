@@ -4,7 +4,7 @@
 #include <bit>
 #include <cstring>
 
-#include "target/target.h"
+#include "target/io_stats.h"
 #include "target/worker.h"
 
 namespace shareblk::target {

@@ -1,11 +1,11 @@
-// QoS token buckets (target.h, QosLimiter; docs/qos.md).
+// QoS token buckets (qos.h, QosLimiter; docs/qos.md).
 #include <algorithm>
 #include <cmath>
 #include <mutex>
 #include <utility>
 #include <vector>
 
-#include "target/target.h"
+#include "target/qos.h"
 
 namespace shareblk::target {
 

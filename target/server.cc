@@ -31,8 +31,8 @@
 #include <unordered_set>
 
 #include "target/rate_limited_log.h"
+#include "target/server.h"
 #include "target/sockets.h"
-#include "target/target.h"
 #include "target/tls.h"
 #include "target/worker.h"
 

@@ -1,13 +1,13 @@
 // The socket side of the server (sockets.cc), for server.cc: listeners, the options of
 // accepted sockets, and who is at the other end. Public ones (listen_unix, accept_or_stop,
-// describe) are in target.h.
+// describe) are in server.h.
 #pragma once
 
 #include <chrono>
 #include <string>
 #include <system_error>
 
-#include "target/target.h"
+#include "target/server.h"
 
 namespace shareblk::target {
 

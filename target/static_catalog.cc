@@ -1,4 +1,4 @@
-#include "target/target.h"
+#include "target/server.h"
 
 namespace shareblk::target {
 

@@ -21,7 +21,7 @@
 #include <unordered_map>
 
 #include "target/handshake.h"
-#include "target/target.h"
+#include "target/server.h"
 
 namespace shareblk::target {
 

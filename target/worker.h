@@ -6,6 +6,7 @@
 
 #include <array>
 #include <atomic>
+#include <cassert>
 #include <chrono>
 #include <cstdint>
 #include <functional>
@@ -22,7 +23,9 @@
 
 #include "backend/backend.h"
 #include "target/handshake.h"
+#include "target/io_stats.h"
 #include "target/nbd_proto.h"
+#include "target/qos.h"
 #include "target/tls.h"
 
 namespace shareblk::target {
@@ -196,7 +199,7 @@ class Connection {
   // True when a send has waited for room in the socket since before `since`: the client has
   // taken none of its replies for that long.
   bool send_stalled_since(std::chrono::steady_clock::time_point since) const {
-    return send_pending_ && !broken_ && send_posted_ < since;
+    return send_ == SendState::InFlight && socket_ != SocketState::Broken && send_posted_ < since;
   }
   // True when a request's payload has been awaited since before `since` without a byte of it
   // arriving: the client promised bytes it does not send.
@@ -215,6 +218,58 @@ class Connection {
     Connection* conn;
     void complete(int res) override { conn->on_cipher(res); }
   };
+
+  // What the receive side is doing (in the spirit of SPDK's nbd_io_state_t). set_receive() is
+  // the only writer, called where the event that moves it is handled; each state's code is in
+  // post_recv() (what to receive next), on_recv() (where the bytes go) and parse().
+  //   Header   the request stream comes into rbuf_: headers, and the payloads that fit with
+  //            them. No receive is posted while the client or the worker is over a limit
+  //            (must_wait()): a reply's release() or the worker's resume() tries again.
+  //   Payload  the rest of payload_for_'s payload comes straight into its buffer.
+  //   Discard  refused_'s payload comes into rbuf_ and is skipped: the stream stays in step.
+  //   Stopped  nothing more is read: end of file, NBD_CMD_DISC, a bad request, drain(),
+  //            abort(), a failed socket, or wound down. A receive in flight still lands, and
+  //            payload_for_ / refused_ keep the request it was for until it is back: a payload
+  //            it completes still runs, drop_partial_request() drops one it leaves short.
+  // Header -> Payload | Discard: begin_request(), a WRITE whose payload is not all in rbuf_.
+  // Payload -> Header: on_recv(), the payload is complete. Discard -> Header: parse().
+  // Any -> Stopped, which is final.
+  enum class ReceiveState : uint8_t { Header, Payload, Discard, Stopped };
+  void set_receive(ReceiveState next) {
+    assert(next == ReceiveState::Stopped ||
+           (receive_ != ReceiveState::Stopped &&
+            (receive_ == ReceiveState::Header) != (next == ReceiveState::Header)));
+    receive_ = next;
+  }
+  // The receive in flight. Apart from receive_: drain() stops reading while one is in flight,
+  // and the connection lives until it is back.
+  //   None          no receive is out; post_recv() may post one.
+  //   Posted        one is out, on the ring (the request stream, or TLS ciphertext) or being
+  //                 decrypted by tls_read(): on_recv() is still to come.
+  //   TlsScheduled  Posted, as the worker's call of tls_read() once the batch of completions
+  //                 is handled (Worker::schedule_tls_read; the destructor cancels it).
+  // None -> Posted | TlsScheduled (recv_into()); TlsScheduled -> Posted (tls_read());
+  // Posted -> None (on_recv()).
+  enum class RecvPending : uint8_t { None, Posted, TlsScheduled };
+  // How far the socket, and the TLS session on it, is gone. Broken comes with receive_
+  // Stopped: a socket that cannot send has no use for requests.
+  //   Open        the socket and session work.
+  //   TlsFailing  a TLS record failed after bytes that are still delivered: they are the
+  //               client's requests all the same, and the next read ends the stream.
+  //   Broken      the socket failed or abort() cut it: nothing more is sent, replies are
+  //               dropped. Final.
+  // Open -> TlsFailing (tls_read()); Open | TlsFailing -> Broken (abort(), a failed send, a
+  // failed record).
+  enum class SocketState : uint8_t { Open, TlsFailing, Broken };
+  // The replies' sending: one send at a time.
+  //   Idle       nothing is on its way (replies may be queued for the next flush).
+  //   Scheduled  the worker calls flush() once its batch of completions is handled
+  //              (Worker::schedule_flush; the destructor cancels it).
+  //   InFlight   a sendmsg waits on the ring for room in the socket: the kernel reads
+  //              send_msg_ and the replies' buffers until on_sent().
+  // Idle -> Scheduled (send_more()) -> Idle (flush()) -> InFlight (send_prepared(), a full
+  // socket) -> Idle (on_sent()).
+  enum class SendState : uint8_t { Idle, Scheduled, InFlight };
 
   void post_recv();
   // Receives the rest of payload_for_'s payload; on_recv() follows.
@@ -281,8 +336,15 @@ class Connection {
   Request* refused_ = nullptr;
   int refused_err_ = 0;
   uint64_t discard_left_ = 0;  // payload bytes of refused_ still to skip
-  // A payload (payload_for_'s or refused_'s) is awaited; since when a byte of it last came.
-  bool awaiting_payload_ = false;
+  ReceiveState receive_ = ReceiveState::Header;
+  RecvPending recv_ = RecvPending::None;
+  SocketState socket_ = SocketState::Open;
+  // The worker counts this connection among those awaiting a payload (payload_for_'s or
+  // refused_'s; Worker::payload_awaited), and since when a byte of it last came. Not a
+  // ReceiveState: the count follows the request, which outlives Payload when reading stops
+  // mid-payload, and it is brought up to date once per handler (track_payload()), so that a
+  // payload that ends and the next that begins in one receive cost the worker nothing.
+  bool payload_watched_ = false;
   std::chrono::steady_clock::time_point payload_progress_;
   // TCP: the socket's SO_RCVLOWAT (recv_payload() says why), and how many bytes the stall
   // check last saw queued under it, unread (they count as progress).
@@ -299,11 +361,6 @@ class Connection {
   CipherCompletion cipher_done_;
   char* tls_into_ = nullptr;
   size_t tls_room_ = 0;
-  bool tls_read_scheduled_ = false;
-  bool tls_failed_ = false;  // a record failed after bytes that were still delivered
-  bool recv_pending_ = false;
-  bool reading_ = true;  // false after EOF, NBD_CMD_DISC, a protocol error or drain()
-  bool broken_ = false;  // the socket failed: replies are dropped
   // Handlers that go on using the connection after dispatching requests hold it open: a
   // request may complete inside dispatch (refused at admission, or an in-memory volume), and
   // its reply may be the last thing the connection waited for.
@@ -319,9 +376,11 @@ class Connection {
   // Replies wait in a FIFO; one sendmsg at a time carries as many as fit.
   Request* sendq_head_ = nullptr;
   Request* sendq_tail_ = nullptr;
-  bool send_pending_ = false;
+  SendState send_ = SendState::Idle;
   std::chrono::steady_clock::time_point send_posted_;  // when the pending send was queued
-  bool flush_scheduled_ = false;
+  // On the worker's list of connections to resume() once its payload budget has room. Not a
+  // ReceiveState: the connection reads again on its own as soon as the budget has room (its
+  // own replies freed some), and stays listed until the worker's resume() or the destructor.
   bool waiting_for_budget_ = false;
   static constexpr int kMaxSendIov = 256;
   iovec send_iov_[kMaxSendIov];
@@ -332,8 +391,10 @@ class Connection {
   static constexpr uint64_t kMaxInflightBytes = 128ull << 20;
   uint32_t inflight_ = 0;
   uint64_t inflight_bytes_ = 0;
-  uint32_t in_storage_ = 0;    // requests run() handed to the ring and not back yet
-  bool winding_down_ = false;  // wind_down()
+  uint32_t in_storage_ = 0;  // requests run() handed to the ring and not back yet
+  // wind_down(): the daemon stops. Not a SocketState or ReceiveState: a connection winding
+  // down reads on until its requests are out of storage, and can still break.
+  bool winding_down_ = false;
   // True when this connection may not start another request now (its limits or its worker's).
   bool must_wait();
 
