@@ -352,21 +352,6 @@ class RemoteImage {
   virtual int size(uint64_t& out) = 0;
   // False when the image can only be read.
   virtual bool writable() const = 0;
-
-  // Write ownership among the gateways (daemons) that serve the image, for a volume with one
-  // writer at most (docs/scale-out.md, "Fencing across gateways"). claim_writer(): this
-  // gateway takes the image's exclusive lock in the store and keeps it, refusing to hand it
-  // over, until release_writer(); EBUSY when another gateway holds it. fence_writer(): the
-  // same, but another holder is first cut off by the store itself (its later requests are
-  // refused there, in flight or not) and its lock broken; `fenced` then names it. With `only`
-  // not empty, only the holder so named is cut off: EBUSY when another holds the lock.
-  // lock_owner(): this gateway's name as a holder of the lock ("" when it holds none), as
-  // `fenced` would name it. All return 0 or an errno; release_writer() may be called when
-  // nothing is held.
-  virtual int claim_writer() = 0;
-  virtual int fence_writer(std::string& fenced, const std::string& only) = 0;
-  virtual int lock_owner(std::string& out) = 0;
-  virtual void release_writer() = 0;
 };
 
 // A volume as one attachment sees it. Cheap to copy; every frontend request goes through it.

@@ -31,10 +31,10 @@
 #include "control/control.h"
 #include "fuse/local_attach.h"
 #include "lvm/lvm2.h"
-#include "lvm/volume_store.h"
 #include "metrics/metrics.h"
 #include "privsep/privsep.h"
 #include "rbd/rbd_store.h"
+#include "store/volume_store.h"
 #include "target/target.h"
 
 namespace po = boost::program_options;
@@ -430,7 +430,8 @@ int run(int argc, char** argv) {
   std::shared_ptr<target::ExportCatalog> catalog;
   std::vector<std::shared_ptr<backend::Volume>> standalone_volumes;
   std::map<std::string, std::string> standalone_modes;  // export name -> "rw" or "ro"
-  std::unique_ptr<lvm::VolumeStore> store;
+  std::unique_ptr<store::VolumeStore> store;
+  std::unique_ptr<store::Gateways> gateways;  // a store several gateways share: rbd
   std::unique_ptr<control::ControlPlane> plane;
   std::string control_socket;
   int control_fd = -1;  // bound before root goes, served after
@@ -492,7 +493,7 @@ int run(int argc, char** argv) {
       options.listen_tcp.push_back("127.0.0.1:10809");
     }
     for (auto& path : options.listen_unix) path = fs::absolute(path).lexically_normal().string();
-    lvm::StoreError store_error;
+    store::StoreError store_error;
     const std::string store_spec = vm["store"].as<std::string>();
     // What needs root once the daemon has none: lvm2, the group's devices and FUSE mounts.
     std::shared_ptr<privsep::Helper> helper;
@@ -521,12 +522,18 @@ int run(int argc, char** argv) {
         fenced.store(true);
         ::kill(::getpid(), SIGTERM);
       };
-      store = rbd::make_rbd_store(cluster, store_error);
+      store = rbd::make_rbd_store(cluster, gateways, store_error);
+    } else if (lvm_store && store_spec.size() > 4) {
+      store = lvm::make_lvm_store(store_spec.substr(4),
+                                  helper ? helper->lvm2(helper_device_mapper)
+                                         : lvm::local_lvm2(vm["lvm-config"].as<std::string>()),
+                                  store_error);
+    } else if (store_spec == "file") {
+      store = store::make_file_store((state / "volumes").string(), vm["preallocate"].as<bool>(),
+                                     store_error);
     } else {
-      const lvm::Lvm2 through_helper = helper ? helper->lvm2(helper_device_mapper) : lvm::Lvm2{};
-      store = lvm::make_store(store_spec, state.string(), vm["lvm-config"].as<std::string>(),
-                              vm["preallocate"].as<bool>(), store_error,
-                              helper ? &through_helper : nullptr);
+      store_error = {std::make_error_code(std::errc::invalid_argument),
+                     "--store wants 'file', 'lvm:VG' or 'rbd:POOL', got '" + store_spec + "'"};
     }
     if (!store) {
       std::cerr << "shareblkd: " << store_error.message << "\n";
@@ -534,7 +541,7 @@ int run(int argc, char** argv) {
     }
     try {
       plane = std::make_unique<control::ControlPlane>((state / "shareblk.db").string(), *store,
-                                                      policy_from(vm, options.tls));
+                                                      policy_from(vm, options.tls), gateways.get());
     } catch (const std::exception& e) {
       std::cerr << "shareblkd: " << e.what() << "\n";
       return 1;

@@ -152,22 +152,23 @@ Json Service::attachment_create(const AttachmentSpec& spec) {
       throw ApiError("policy_denied", "policy forbids attaching a bootable volume twice");
     }
   };
-  if (!volumes_.shared()) {
+  if (!shared()) {
     refuse_second_user(local);
   } else {
     // The other gateways' attachments count too; this one joins their record only if no
     // other gateway changed it since it was read.
-    change_shared(v.id, [&](SharedAttachments& shared) {
+    records_->change_attachments(v.id, [&](GatewayRecords::Attachments& shared) {
       std::vector<AttachmentRow> current = local;
-      for (AttachmentRow& other : elsewhere(v.id, shared)) current.push_back(std::move(other));
+      for (AttachmentRow& other : records_->elsewhere(v.id, shared))
+        current.push_back(std::move(other));
       refuse_second_user(current);
-      shared.entries[a.id] = shared_entry(a);
+      shared.entries[a.id] = records_->entry_of(a);
       return true;
     });
     try {
-      volumes_.link_attachment(a.id, v.id);  // any gateway finds it by its id from now on
+      records_->link_attachment(a.id, v.id);  // any gateway finds it by its id from now on
     } catch (...) {
-      remove_shared(v.id, a.id);
+      records_->remove_attachment(v.id, a.id);
       throw;
     }
   }
@@ -180,14 +181,14 @@ Json Service::attachment_create(const AttachmentSpec& spec) {
                      v.writer_policy == WriterPolicy::Single && v.writer.empty() &&
                      claim_shared_writer(v);
   } catch (...) {
-    remove_shared(v.id, a.id);
+    if (shared()) records_->remove_attachment(v.id, a.id);
     throw;
   }
   if (becomes_writer) make_writer(v, a.id, a.created_at);
   if (may_write(a, v)) a.write_access_since = a.created_at;
   // Unreachable until committed: no export of it resolves before that.
   exports_.set_write_access(a.id, may_write(a, v));
-  hold_if_quiesced(v.id, a.id);  // a snapshot of the volume is being copied
+  copies_.hold_if_quiesced(v.id, exports_.write_access(a.id));  // its volume is being copied
   try {
     Database::Transaction tx(db_);
     if (spec.connector != nullptr && !spec.connector->is_null()) {
@@ -201,11 +202,11 @@ Json Service::attachment_create(const AttachmentSpec& spec) {
     exports_.forget_write_access(a.id);
     qos_.forget_attachment(a.id);
     if (becomes_writer) release_shared_writer(v);
-    remove_shared(v.id, a.id);
+    if (shared()) records_->remove_attachment(v.id, a.id);
     throw;
   }
   try {
-    watch_shared(v.id);  // revocations by other gateways reach it
+    if (shared()) records_->watch_attachments(v.id);  // revocations by other gateways reach it
   } catch (const ApiError& e) {
     spdlog::error(
         "control: {}; attachment {} is revoked by other gateways only from this "
@@ -265,9 +266,9 @@ Json Service::attachment_update(const std::string& id, const Json* connector_par
 
 void Service::share_host(const std::string& volume_id, const AttachmentRow& a,
                          const std::string& host) {
-  if (!volumes_.shared()) return;
-  change_shared(volume_id, [&](SharedAttachments& shared) {
-    refuse_duplicate(elsewhere(volume_id, shared), a, host);
+  if (!shared()) return;
+  records_->change_attachments(volume_id, [&](GatewayRecords::Attachments& shared) {
+    refuse_duplicate(records_->elsewhere(volume_id, shared), a, host);
     if (!shared.entries.contains(a.id)) return false;  // pruned: the others do not count it
     shared.entries[a.id]["attached_host"] = host;
     return true;
@@ -336,7 +337,8 @@ Json Service::detach(const std::string& volume_id, const std::string& attachment
     }
   }
   const bool lazy = exports_.revoke(a.id);
-  remove_shared(volume_id, a.id);  // the other gateways may count without it now
+  if (shared())
+    records_->remove_attachment(volume_id, a.id);  // the other gateways may count without it now
   a.attach_status = transition(a.id, a.attach_status, AttachEvent::Finish);
   a.detach_time = now_iso();
   a.write_access_since.clear();
@@ -370,9 +372,9 @@ Json Service::detach(const std::string& volume_id, const std::string& attachment
   journal_.clear(a.id);
   // Another gateway may delete the volume once no gateway has its image open; nothing here
   // is left to revoke.
-  if (idle && volumes_.shared()) {
+  if (idle && shared()) {
     volumes_.close(volume_id);
-    unwatch_shared(volume_id);
+    records_->unwatch_attachments(volume_id);
   }
   exports_.forget_revoked(a.id);
   exports_.forget_write_access(a.id);
@@ -406,7 +408,7 @@ Json Service::volume_detach(const std::string& volume_id,
     for (auto& a : tx.attachments(volume_id)) {
       if (is_live(a.attach_status)) current.push_back(std::move(a));
     }
-    if (attachment_id && volumes_.shared() && !tx.attachment(*attachment_id)) {
+    if (attachment_id && shared() && !tx.attachment(*attachment_id)) {
       elsewhere = true;  // maybe another gateway's (detach_elsewhere says)
     } else if (attachment_id) {
       AttachmentRow a = find_attachment(tx, *attachment_id);
@@ -445,8 +447,8 @@ Json Service::attachment_list(const std::string& volume_id) {
     out.push_back(attachment_json(a, volumes.at(a.volume_id)));
   // One volume's: the other gateways' live ones too, from its record (a list of them all
   // would read every volume's record).
-  if (!volume_id.empty() && volumes_.shared()) {
-    for (const AttachmentRow& a : elsewhere(volume_id, read_shared(volume_id))) {
+  if (!volume_id.empty() && shared()) {
+    for (const AttachmentRow& a : records_->elsewhere(volume_id)) {
       out.push_back(attachment_view(a));
     }
   }

@@ -98,8 +98,10 @@ class Catalog final : public target::ExportCatalog {
 }  // namespace
 
 struct ControlPlane::Impl {
-  Impl(const std::string& db_path, lvm::VolumeStore& store, Policy policy)
-      : service(db_path, store, std::move(policy)), catalog(std::make_shared<Catalog>(service)) {}
+  Impl(const std::string& db_path, store::VolumeStore& store, Policy policy,
+       store::Gateways* gateways)
+      : service(db_path, store, std::move(policy), gateways),
+        catalog(std::make_shared<Catalog>(service)) {}
 
   void accept_loop();
   void serve_client(int fd);
@@ -122,8 +124,9 @@ struct ControlPlane::Impl {
   target::RateLimitedLog refused_log;  // callers with no role can cause these lines in bulk
 };
 
-ControlPlane::ControlPlane(const std::string& db_path, lvm::VolumeStore& store, Policy policy)
-    : impl_(std::make_unique<Impl>(db_path, store, std::move(policy))) {}
+ControlPlane::ControlPlane(const std::string& db_path, store::VolumeStore& store, Policy policy,
+                           store::Gateways* gateways)
+    : impl_(std::make_unique<Impl>(db_path, store, std::move(policy), gateways)) {}
 
 ControlPlane::~ControlPlane() {
   stop();

@@ -18,8 +18,9 @@
 #include <system_error>
 #include <vector>
 
-#include "lvm/volume_store.h"
 #include "rights/rights.h"
+#include "store/gateways.h"
+#include "store/volume_store.h"
 #include "target/target.h"
 
 namespace shareblk::control {
@@ -100,8 +101,11 @@ struct Caller {
 class ControlPlane {
  public:
   // Opens (creating when new) the state database at `db_path`. Attachments that were being
-  // detached when the daemon died are completed as detached. Throws std::runtime_error.
-  ControlPlane(const std::string& db_path, lvm::VolumeStore& store, Policy policy);
+  // detached when the daemon died are completed as detached. `gateways`: how the gateways of
+  // a shared store coordinate (store/gateways.h), null for a store this daemon alone serves.
+  // Throws std::runtime_error.
+  ControlPlane(const std::string& db_path, store::VolumeStore& store, Policy policy,
+               store::Gateways* gateways = nullptr);
   ~ControlPlane();
   ControlPlane(const ControlPlane&) = delete;
   ControlPlane& operator=(const ControlPlane&) = delete;

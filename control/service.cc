@@ -82,18 +82,19 @@ int test_flush_error() {
 }
 #endif
 
-Service::Service(const std::string& db_path, lvm::VolumeStore& store, Policy policy)
+Service::Service(const std::string& db_path, store::VolumeStore& store, Policy policy,
+                 store::Gateways* gateways)
     : db_(db_path),
       volumes_(store),
+      records_(gateways ? std::make_unique<GatewayRecords>(
+                              *gateways, gateway_id(std::filesystem::path(db_path).parent_path()),
+                              [this](const std::string& id) { act_on_revocations(id); })
+                        : nullptr),
       journal_((std::filesystem::path(db_path).parent_path() / "revocations").string()),
       policy_(std::move(policy)),
       state_dir_(comparable_path(std::filesystem::absolute(db_path).parent_path())) {
   if (policy_.tls != target::TlsOptions::Mode::Off) {
     psk_ = PskKeys((std::filesystem::path(db_path).parent_path() / "tls-psk.secret").string());
-  }
-  if (volumes_.shared()) {
-    gateway_id_ = gateway_id(std::filesystem::path(db_path).parent_path());
-    revoker_ = std::thread(&Service::run_revoker, this);
   }
   reconcile();
   prune_shared();

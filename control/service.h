@@ -26,12 +26,15 @@
 #include "api/status.h"
 #include "control/api_error.h"
 #include "control/control.h"
+#include "control/copy_holds.h"
 #include "control/db.h"
 #include "control/export_registry.h"
+#include "control/gateway_records.h"
 #include "control/params.h"
 #include "control/psk_keys.h"
 #include "control/qos.h"
 #include "control/revocation_journal.h"
+#include "control/roll_backs.h"
 #include "control/volume_jobs.h"
 #include "control/volume_registry.h"
 
@@ -71,7 +74,9 @@ struct AttachmentSpec {
 
 class Service {
  public:
-  Service(const std::string& db_path, lvm::VolumeStore& store, Policy policy);
+  // `gateways`: as ControlPlane's.
+  Service(const std::string& db_path, store::VolumeStore& store, Policy policy,
+          store::Gateways* gateways = nullptr);
   ~Service();
   Service(const Service&) = delete;
   Service& operator=(const Service&) = delete;
@@ -172,48 +177,19 @@ class Service {
   // Returns the fenced gateway's client as the cluster names it, "" for none.
   std::string fence_shared_writer(const VolumeRow& v);
   void release_shared_writer(const VolumeRow& v);
-  // The attachments of a volume across the gateways of a shared store (docs/scale-out.md,
-  // "Attachments across gateways"): the record's version and its entries, by attachment id.
-  struct SharedAttachments {
-    uint64_t version = 0;
-    Json entries = Json::object();
-  };
-  // Empty for a store that is not shared. Throws ApiError (internal).
-  SharedAttachments read_shared(const std::string& volume_id);
-  // The other gateways' entries of `volume_id`'s record, as rows that the attachment rules
-  // count and attachment_view shows: live (detaching once revoked), their mode read failing
-  // closed.
-  std::vector<AttachmentRow> elsewhere(const std::string& volume_id,
-                                       const SharedAttachments& shared) const;
   // Another gateway's live attachment found by its id alone (through the store's link to its
   // volume): its volume and Attachment; nullopt when no other gateway has it. Throws ApiError
   // (internal) when the cluster cannot say.
   std::optional<std::pair<std::string, Json>> find_elsewhere(const std::string& attachment_id);
-  // This gateway's entry for `a` in its volume's record.
-  Json shared_entry(const AttachmentRow& a) const;
-  // Edits a volume's record with a guarded write (compare-and-set on its version): `change`
-  // edits the record as read, or refuses by throwing ApiError, and returns false when there
-  // is nothing to write; when another gateway wrote in between, the record is read and
-  // changed again. Throws ApiError: volume_busy after 20 lost races, internal when the cluster
-  // cannot say.
-  void change_shared(const std::string& volume_id,
-                     const std::function<bool(SharedAttachments&)>& change);
   // A reservation's host, given later by its connector: refused as a duplicate of another
   // gateway's attachment too (duplicate_attachment), then written into its entry with a
   // guarded write. Throws ApiError.
   void share_host(const std::string& volume_id, const AttachmentRow& a, const std::string& host);
-  // Takes the attachment out of the record; a failure is logged (the next start prunes it).
-  void remove_shared(const std::string& volume_id, const std::string& attachment_id);
   // At start: this gateway's entries whose attachments are no longer live here go; the
   // records of the volumes it serves are watched, and read once for revocations.
   void prune_shared();
-  // Revocations written by other gateways (volume_detach of an attachment served here): the
-  // records of the volumes this gateway serves are watched; a notify queues the volume for
-  // the revoker thread, which detaches what its record marks revoked.
-  void watch_shared(const std::string& volume_id);
-  void unwatch_shared(const std::string& volume_id);
-  void revoke_requested(const std::string& volume_id);
-  void run_revoker();
+  // Revocations written by other gateways (volume_detach of an attachment served here), on
+  // records_' revoker thread: detaches what the volume's record marks revoked.
   void act_on_revocations(const std::string& volume_id);
   // volume_detach of an attachment another gateway serves: marks it revoked in the record,
   // notifies, and waits (up to 10 s) for that gateway to take it out.
@@ -236,31 +212,19 @@ class Service {
   // volumes.cc: the long parts of a delete (of a volume or a snapshot) and of a create that
   // copies bytes in (from an image, a snapshot or a volume), run by jobs_.
   void start_delete(const std::string& id);
-  std::optional<ApiError> finish_delete(const std::string& id, const lvm::Progress& progress);
+  std::optional<ApiError> finish_delete(const std::string& id, const store::Progress& progress);
   // Runs `work`, which writes the bytes of the volume or snapshot `id` (created at
   // `created_at`; `what` says from where, for the log), then drops its intent: it is available.
-  using Populate = std::function<void(const lvm::Progress&)>;
+  using Populate = std::function<void(const store::Progress&)>;
   std::optional<ApiError> populate(const std::string& id, const std::string& created_at,
                                    const std::string& what, const Populate& work,
-                                   const lvm::Progress& progress);
+                                   const store::Progress& progress);
   // Starts populate() on a job; a job that cannot start leaves the intent with why (status
   // error).
   void start_populate(const std::string& id, const std::string& created_at, const std::string& what,
                       Populate work);
-  // snapshots.cc. Holds the writes of every attachment of the volume between requests (and of
-  // those attached meanwhile) until the returned object goes; under the volume's lock. Refuses
-  // (volume_busy) a volume that is held already: one copy of it at a time.
-  std::shared_ptr<void> quiesce(const std::string& volume_id,
-                                const std::vector<AttachmentRow>& attachments);
-  // attachment_create: an attachment of a held volume starts held.
-  void hold_if_quiesced(const std::string& volume_id, const std::string& attachment_id);
-  // Marks `id` (a volume or a snapshot) as read by a copy until the returned object goes:
-  // deleting it meanwhile is volume_busy.
-  std::shared_ptr<void> read_by_copy(const std::string& id);
-  bool is_copy_source(const std::string& id);
-  // A volume about to be copied: read_by_copy() and quiesce() together; under its lock.
-  std::shared_ptr<void> hold_for_copy(const std::string& volume_id,
-                                      const std::vector<AttachmentRow>& attachments);
+  // snapshots.cc. The write gates of the volume's live attachments, for copies_ to hold.
+  CopyHolds::Accesses write_accesses(const std::vector<AttachmentRow>& attachments);
   // The job that copies the first `length` bytes of `from` into new backing `to` of `size`
   // bytes, letting go of `held` (the source's hold) as soon as the copy ends, before the
   // database is written.
@@ -270,11 +234,6 @@ class Service {
   // backing it made, its row if it has one (a fill's or a snapshot's) and its intent. What
   // went wrong when the store or the database cannot: then the intent stays.
   std::optional<std::string> roll_back_create(const std::string& id);
-  // roll_back_create, and when it fails, logs why and keeps the id in roll_backs_. True when
-  // rolled back.
-  bool roll_back_or_keep(const std::string& id);
-  // Tries again the roll-backs that failed (roll_backs_); the next start would, too.
-  void retry_roll_backs();
   // Refuses (volume_busy) a change to a volume that a delete or a fill is under way on.
   void refuse_busy(Database::Transaction& tx, const VolumeRow& v, const char* what);
   // service.cc
@@ -334,8 +293,16 @@ class Service {
   Json snapshot_json(const SnapshotRow& s, const std::optional<IntentRow>& intent);
   Json connection_info(const AttachmentRow& a, const VolumeRow& v, const Json& connector);
 
+  // True when other gateways serve the store's volumes too (rbd): each volume's definition is
+  // saved with its backing, its attachments are in records all gateways share, and its writer
+  // holds the image's lock (shared_store.cc).
+  bool shared() const { return records_ != nullptr; }
+
   Database db_;
   VolumeRegistry volumes_;
+  // Only for a shared store; named by STATE_DIR/gateway-id there (docs/state.md). Its revoker
+  // thread calls act_on_revocations(): ~Service() stops it first.
+  std::unique_ptr<GatewayRecords> records_;
   ExportRegistry exports_;
   QosRegistry qos_;
   RevocationJournal journal_;  // STATE_DIR/revocations
@@ -347,29 +314,12 @@ class Service {
   // The database's directory: the daemon's state directory (--state-dir), where no FUSE
   // attachment may be mounted.
   std::filesystem::path state_dir_;
-  // This gateway's name in the records of a shared store: STATE_DIR/gateway-id, made at the
-  // first start (docs/state.md).
-  std::string gateway_id_;
   const std::chrono::system_clock::time_point started_ = std::chrono::system_clock::now();
   std::atomic<uint64_t> refused_unknown_{0};
   std::atomic<uint64_t> refused_by_binding_{0};
-  // volumes.cc: creates whose roll-back failed; each volume_create tries them again first, so
-  // that half-made backing and intents do not pile up until the next start.
-  std::mutex roll_backs_mutex_;
-  std::set<std::string> roll_backs_;
-  // snapshots.cc: volumes whose writes are held, with the write accesses held; and the volumes
-  // and snapshots that copies read.
-  std::mutex copies_mutex_;
-  std::map<std::string, std::vector<std::shared_ptr<backend::WriteAccess>>> quiesced_;
-  std::multiset<std::string> copy_sources_;
-  // shared_store.cc: the revoker thread and its queue of volumes to read; the volumes
-  // watched. Stopped (watches first) by ~Service().
-  std::mutex revoker_mutex_;
-  std::condition_variable revoker_wake_;
-  std::deque<std::string> revoker_queue_;
-  bool revoker_stop_ = false;
-  std::set<std::string> watched_;
-  std::thread revoker_;
+  // Creates whose roll-back (roll_back_create) failed, tried again by each volume_create.
+  RollBacks roll_backs_{[this](const std::string& id) { return roll_back_create(id); }};
+  CopyHolds copies_;  // what snapshots' and clones' copies hold (snapshots.cc)
   // Last: its threads use the members above, and its destructor stops and joins them first.
   VolumeJobs jobs_;
 };

@@ -6,87 +6,20 @@
 
 namespace shareblk::control {
 
-namespace {
-
-// Undoes what it was made for when the last holder lets go. Made in place only: a copy would
-// undo it twice.
-class OnRelease {
- public:
-  explicit OnRelease(std::function<void()> release) : release_(std::move(release)) {}
-  ~OnRelease() { release_(); }
-  OnRelease(const OnRelease&) = delete;
-  OnRelease& operator=(const OnRelease&) = delete;
-
- private:
-  std::function<void()> release_;
-};
-
-}  // namespace
-
-std::shared_ptr<void> Service::quiesce(const std::string& volume_id,
-                                       const std::vector<AttachmentRow>& attachments) {
-  std::vector<std::shared_ptr<backend::WriteAccess>> held;
+CopyHolds::Accesses Service::write_accesses(const std::vector<AttachmentRow>& attachments) {
+  CopyHolds::Accesses accesses;
   for (const AttachmentRow& a : attachments) {
     if (!is_live(a.attach_status)) continue;
     if (std::shared_ptr<backend::WriteAccess> access = exports_.write_access(a.id)) {
-      held.push_back(std::move(access));
+      accesses.push_back(std::move(access));
     }
   }
-  {
-    std::lock_guard lock(copies_mutex_);
-    if (!quiesced_.emplace(volume_id, held).second) {
-      throw ApiError("volume_busy",
-                     "volume " + volume_id + " is being copied already; try again once that ends");
-    }
-  }
-  // Each waits for the attachment's changes in flight; new ones wait in the engines.
-  for (const auto& access : held) access->pause();
-  return std::make_shared<OnRelease>([this, volume_id] {
-    std::vector<std::shared_ptr<backend::WriteAccess>> resumed;
-    {
-      std::lock_guard lock(copies_mutex_);
-      auto it = quiesced_.find(volume_id);
-      resumed = std::move(it->second);
-      quiesced_.erase(it);
-    }
-    for (const auto& access : resumed) access->resume();
-  });
-}
-
-void Service::hold_if_quiesced(const std::string& volume_id, const std::string& attachment_id) {
-  std::shared_ptr<backend::WriteAccess> access = exports_.write_access(attachment_id);
-  if (!access) return;
-  std::lock_guard lock(copies_mutex_);
-  auto it = quiesced_.find(volume_id);
-  if (it == quiesced_.end()) return;
-  access->pause();  // a new attachment: nothing in flight to wait for
-  it->second.push_back(std::move(access));
-}
-
-std::shared_ptr<void> Service::read_by_copy(const std::string& id) {
-  std::lock_guard lock(copies_mutex_);
-  copy_sources_.insert(id);
-  return std::make_shared<OnRelease>([this, id] {
-    std::lock_guard inner(copies_mutex_);
-    copy_sources_.erase(copy_sources_.find(id));
-  });
-}
-
-bool Service::is_copy_source(const std::string& id) {
-  std::lock_guard lock(copies_mutex_);
-  return copy_sources_.count(id) != 0;
-}
-
-std::shared_ptr<void> Service::hold_for_copy(const std::string& volume_id,
-                                             const std::vector<AttachmentRow>& attachments) {
-  std::shared_ptr<void> source = read_by_copy(volume_id);
-  return std::make_shared<std::pair<std::shared_ptr<void>, std::shared_ptr<void>>>(
-      std::move(source), quiesce(volume_id, attachments));
+  return accesses;
 }
 
 Service::Populate Service::copy_job(const std::string& from, uint64_t length, const std::string& to,
                                     uint64_t size, std::shared_ptr<void> held) {
-  return [this, from, length, to, size, held = std::move(held)](const lvm::Progress& p) mutable {
+  return [this, from, length, to, size, held = std::move(held)](const store::Progress& p) mutable {
     struct Release {
       std::shared_ptr<void>& held;
       ~Release() { held.reset(); }
@@ -113,7 +46,7 @@ Json Service::snapshot_create(const std::string& volume_id, const std::string& n
     }
     // Outside the transaction: the pause waits for the writes in flight, and other volumes'
     // calls need the database meanwhile.
-    held = hold_for_copy(volume_id, attachments);
+    held = copies_.hold_for_copy(volume_id, write_accesses(attachments));
     Database::Transaction tx(db_);
     tx.put_intent({s.id, IntentAction::Create, "", s.created_at});
     tx.insert_snapshot(s);
@@ -164,7 +97,7 @@ Json Service::snapshot_delete(const std::string& id, bool wait) {
       throw ApiError("volume_busy", "snapshot " + id + " is being created; delete it once its " +
                                         "status is no longer creating");
     }
-    if (is_copy_source(id)) {
+    if (copies_.is_copy_source(id)) {
       throw ApiError("volume_busy", "snapshot " + id + " is being copied into a new volume");
     }
     if (!running) {

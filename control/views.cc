@@ -69,8 +69,8 @@ Json Service::attachment_view(const AttachmentRow& a) const {
   Json gateway = nullptr;  // a store of one gateway names none
   if (!a.gateway.empty()) {
     gateway = a.gateway;
-  } else if (volumes_.shared()) {
-    gateway = gateway_id_;
+  } else if (shared()) {
+    gateway = records_->gateway_id();
   }
   return Json{{"id", a.id},
               {"volume_id", a.volume_id},

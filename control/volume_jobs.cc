@@ -16,7 +16,7 @@ bool VolumeJobs::start(const std::string& volume_id, Kind kind, Work work) {
   job.kind = kind;
   try {
     job.thread = std::thread([this, volume_id, work = std::move(work)] {
-      const lvm::Progress progress = [this, &volume_id](uint64_t done, uint64_t total) {
+      const store::Progress progress = [this, &volume_id](uint64_t done, uint64_t total) {
         std::lock_guard inner(mutex_);
         Job& j = jobs_.at(volume_id);
         j.done = done;

@@ -13,7 +13,7 @@
 #include <thread>
 
 #include "control/api_error.h"
-#include "lvm/volume_store.h"
+#include "store/volume_store.h"
 
 namespace shareblk::control {
 
@@ -31,10 +31,10 @@ class VolumeJobs {
   VolumeJobs& operator=(const VolumeJobs&) = delete;
 
   // What a job's work returns: why it failed, or nullopt.
-  using Work = std::function<std::optional<ApiError>(const lvm::Progress&)>;
+  using Work = std::function<std::optional<ApiError>(const store::Progress&)>;
 
   // Runs `work` on a thread of its own, unless the volume has a job running (then false).
-  // `work` reports through the lvm::Progress it is given, which returns false once the daemon
+  // `work` reports through the store::Progress it is given, which returns false once the daemon
   // is stopping: the work then gives up, and the next start takes it up again.
   bool start(const std::string& volume_id, Kind kind, Work work);
   // The volume's running job.

@@ -13,11 +13,11 @@ namespace shareblk::control {
 
 namespace {
 
-bool is_missing(const lvm::StoreError& e) {
+bool is_missing(const store::StoreError& e) {
   return e.code.value() == ENOENT;
 }
 
-ApiError store_error(const lvm::StoreError& e) {
+ApiError store_error(const store::StoreError& e) {
   const int code = e.code.value();
   if (code == ENOSPC || code == EDQUOT || code == EFBIG) return ApiError("no_space", e.message);
   if (code == ENOENT) return ApiError("not_found", e.message);
@@ -61,11 +61,11 @@ void VolumeRegistry::require_local(const std::string& what) const {
 }
 
 void VolumeRegistry::create(const std::string& id, uint64_t size) {
-  if (lvm::StoreError e = store_.create(id, size)) throw store_error(e);
+  if (store::StoreError e = store_.create(id, size)) throw store_error(e);
 }
 
 void VolumeRegistry::extend(const std::string& id, uint64_t size) {
-  if (lvm::StoreError e = store_.extend(id, size)) {
+  if (store::StoreError e = store_.extend(id, size)) {
     if (is_missing(e)) set_missing(id, e.message);
     throw store_error(e);
   }
@@ -75,7 +75,7 @@ void VolumeRegistry::refresh(const std::string& id, uint64_t size) {
   std::lock_guard lock(open_mutex_);
   auto it = open_.find(id);
   if (it == open_.end()) return;
-  if (lvm::StoreError e = store_.refresh(id, size, *it->second)) {
+  if (store::StoreError e = store_.refresh(id, size, *it->second)) {
     // New connections reopen it; live ones keep the old size.
     spdlog::error("control: volume {} grew but its open handle did not: {}", id, e.message);
     open_.erase(it);
@@ -87,27 +87,27 @@ void VolumeRegistry::close(const std::string& id) {
   open_.erase(id);
 }
 
-void VolumeRegistry::remove(const std::string& id, const lvm::Progress& progress) {
+void VolumeRegistry::remove(const std::string& id, const store::Progress& progress) {
   close(id);
   // Already gone is removed: a delete that a crash interrupted is finished so, and so is a
   // volume whose backing went missing.
-  if (lvm::StoreError e = store_.remove(id, progress); e && !is_missing(e)) throw store_error(e);
+  if (store::StoreError e = store_.remove(id, progress); e && !is_missing(e)) throw store_error(e);
   std::lock_guard lock(missing_mutex_);
   missing_.erase(id);
 }
 
-void VolumeRegistry::fill(const std::string& id, uint64_t size, const lvm::ImageSource& image,
-                          const lvm::ImageInfo& info, const lvm::Progress& progress) {
+void VolumeRegistry::fill(const std::string& id, uint64_t size, const store::ImageSource& image,
+                          const store::ImageInfo& info, const store::Progress& progress) {
   std::shared_ptr<backend::Volume> volume;  // its own: no connection has it while it fills
-  if (lvm::StoreError e = store_.open(id, size, volume)) throw store_error(e);
-  if (lvm::StoreError e = lvm::fill_from_image(*volume, image, info, progress)) {
+  if (store::StoreError e = store_.open(id, size, volume)) throw store_error(e);
+  if (store::StoreError e = store::fill_from_image(*volume, image, info, progress)) {
     throw store_error(e);
   }
 }
 
 void VolumeRegistry::copy(const std::string& from, uint64_t length, const std::string& to,
-                          uint64_t size, const lvm::Progress& progress) {
-  const lvm::StoreError cloned = store_.clone(from, to, size);
+                          uint64_t size, const store::Progress& progress) {
+  const store::StoreError cloned = store_.clone(from, to, size);
   if (!cloned) {
     if (progress) progress(size, size);
     return;
@@ -116,9 +116,9 @@ void VolumeRegistry::copy(const std::string& from, uint64_t length, const std::s
   create(to, size);
   std::shared_ptr<backend::Volume> source;  // their own handles: no connection has the target
   std::shared_ptr<backend::Volume> target;
-  if (lvm::StoreError e = store_.open(from, length, source)) throw store_error(e);
-  if (lvm::StoreError e = store_.open(to, size, target)) throw store_error(e);
-  if (lvm::StoreError e = lvm::copy_volume(*source, *target, length, progress)) {
+  if (store::StoreError e = store_.open(from, length, source)) throw store_error(e);
+  if (store::StoreError e = store_.open(to, size, target)) throw store_error(e);
+  if (store::StoreError e = store::copy_volume(*source, *target, length, progress)) {
     throw store_error(e);
   }
 }
@@ -127,7 +127,7 @@ std::shared_ptr<backend::Volume> VolumeRegistry::open(const std::string& id, uin
   std::lock_guard lock(open_mutex_);
   auto& v = open_[id];
   if (!v) {
-    if (lvm::StoreError e = store_.open(id, size, v)) {
+    if (store::StoreError e = store_.open(id, size, v)) {
       open_.erase(id);
       spdlog::error("control: cannot open volume {}: {}", id, e.message);
       if (is_missing(e)) set_missing(id, e.message);
@@ -139,13 +139,13 @@ std::shared_ptr<backend::Volume> VolumeRegistry::open(const std::string& id, uin
 
 std::optional<std::string> VolumeRegistry::check(const std::string& id, uint64_t size) {
   std::shared_ptr<backend::Volume> fresh;
-  const lvm::StoreError e = store_.open(id, size, fresh);  // outside the locks: it may be slow
+  const store::StoreError e = store_.open(id, size, fresh);  // outside the locks: it may be slow
   if (e && !is_missing(e)) throw store_error(e);
   {
     std::lock_guard lock(open_mutex_);
     if (e) {
       open_.erase(id);  // its connections keep it; new ones are refused
-    } else if (shared()) {
+    } else if (!store_.local()) {
       // Kept open only by its users (close()): another gateway may want to remove it.
     } else if (auto& cached = open_[id]; !cached) {
       cached = std::move(fresh);  // saves the next user an open
@@ -172,80 +172,11 @@ std::string VolumeRegistry::set_missing(const std::string& id, const std::string
   return it->second;
 }
 
-void VolumeRegistry::save_definition(const std::string& id, lvm::VolumeStore::DefinitionPart part,
-                                     const std::string& text) {
-  if (lvm::StoreError e = store_.save_definition(id, part, text)) {
-    throw ApiError("internal", "volume " + id + ": " + e.message);
-  }
-}
-
-std::optional<std::string> VolumeRegistry::load_definition(const std::string& id,
-                                                           lvm::VolumeStore::DefinitionPart part) {
-  std::string text;
-  if (lvm::StoreError e = store_.load_definition(id, part, text)) {
-    if (!is_missing(e)) {
-      spdlog::warn("control: volume {}: {}", id, e.message);
-    }
-    return std::nullopt;
-  }
-  return text;
-}
-
-void VolumeRegistry::read_record(const std::string& id, std::string& text, uint64_t& version) {
-  if (lvm::StoreError e = store_.read_record(id, text, version)) {
-    throw ApiError("internal", "volume " + id + ": the gateways' record: " + e.message);
-  }
-}
-
-bool VolumeRegistry::write_record(const std::string& id, const std::string& text,
-                                  uint64_t version) {
-  lvm::StoreError e = store_.write_record(id, text, version);
-  if (e.code.value() == ECANCELED) return false;
-  if (e) throw ApiError("internal", "volume " + id + ": the gateways' record: " + e.message);
-  return true;
-}
-
-void VolumeRegistry::watch(const std::string& id, const lvm::VolumeStore::RecordChanged& changed) {
-  if (lvm::StoreError e = store_.watch_record(id, changed)) {
-    throw ApiError("internal", "volume " + id + ": " + e.message);
-  }
-}
-
-void VolumeRegistry::link_attachment(const std::string& attachment_id,
-                                     const std::string& volume_id) {
-  if (lvm::StoreError e = store_.link_attachment(attachment_id, volume_id)) {
-    throw ApiError("internal", "attachment " + attachment_id + ": " + e.message);
-  }
-}
-
-std::optional<std::string> VolumeRegistry::linked_volume(const std::string& attachment_id) {
-  std::string volume_id;
-  lvm::StoreError e = store_.linked_volume(attachment_id, volume_id);
-  if (e.code.value() == ENOENT) return std::nullopt;
-  if (e) throw ApiError("internal", "attachment " + attachment_id + ": " + e.message);
-  return volume_id;
-}
-
-void VolumeRegistry::unlink_attachment(const std::string& attachment_id) {
-  if (lvm::StoreError e = store_.unlink_attachment(attachment_id)) {
-    spdlog::warn(
-        "control: attachment {}: {}; a stale link is left (harmless: its volume's "
-        "record no longer holds it)",
-        attachment_id, e.message);
-  }
-}
-
-void VolumeRegistry::notify(const std::string& id, std::chrono::milliseconds timeout) {
-  if (lvm::StoreError e = store_.notify_record(id, timeout)) {
-    spdlog::warn("control: volume {}: {}", id, e.message);
-  }
-}
-
 void VolumeRegistry::reconcile(
     const std::vector<std::pair<std::string, std::string>>& known_ids_and_names,
     const std::set<std::string>& deleting) {
   std::vector<std::string> ids;
-  if (lvm::StoreError e = store_.list(ids)) {
+  if (store::StoreError e = store_.list(ids)) {
     spdlog::error("control: cannot list the {} store: {}", store_.kind(), e.message);
     return;
   }

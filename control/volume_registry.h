@@ -15,7 +15,7 @@
 #include <vector>
 
 #include "backend/backend.h"
-#include "lvm/volume_store.h"
+#include "store/volume_store.h"
 
 namespace shareblk::control {
 
@@ -32,40 +32,10 @@ class VolumeLock {
 
 class VolumeRegistry {
  public:
-  explicit VolumeRegistry(lvm::VolumeStore& store) : store_(store) {}
+  explicit VolumeRegistry(store::VolumeStore& store) : store_(store) {}
   // Throws not_supported, naming `what`, where the store's volumes are not local files or
-  // devices (lvm::VolumeStore::local()): copies, fills and the nbdkit plugin need them.
+  // devices (store::VolumeStore::local()): copies, fills and the nbdkit plugin need them.
   void require_local(const std::string& what) const;
-
-  // True when other gateways may serve the store's volumes too (a remote store, rbd): each
-  // volume's definition is saved with its backing, and its writer holds the image's lock.
-  bool shared() const { return !store_.local(); }
-  // Throws ApiError (internal) when it cannot be saved.
-  void save_definition(const std::string& id, lvm::VolumeStore::DefinitionPart part,
-                       const std::string& text);
-  // nullopt when the store has no such part of `id`'s definition (no such volume, or it was
-  // never saved) or it cannot be read (logged).
-  std::optional<std::string> load_definition(const std::string& id,
-                                             lvm::VolumeStore::DefinitionPart part);
-
-  // The volume's record shared by the gateways (lvm::VolumeStore::read_record): throws
-  // ApiError (internal) when it cannot be read or written; write_record() returns false when
-  // another gateway changed it since `version`.
-  void read_record(const std::string& id, std::string& text, uint64_t& version);
-  bool write_record(const std::string& id, const std::string& text, uint64_t version);
-
-  // Watches of the records (lvm::VolumeStore::watch_record): watch() throws ApiError
-  // (internal); notify() only logs a watcher that did not answer in time (the caller waits
-  // for the record to change, not for the answers).
-  void watch(const std::string& id, const lvm::VolumeStore::RecordChanged& changed);
-  void unwatch(const std::string& id) { store_.unwatch_record(id); }
-  void notify(const std::string& id, std::chrono::milliseconds timeout);
-  // Which volume's record holds an attachment (lvm::VolumeStore::link_attachment):
-  // link_attachment() throws ApiError (internal); linked_volume() is nullopt when there is no
-  // link and throws when it cannot be read; unlink_attachment() only logs a failure.
-  void link_attachment(const std::string& attachment_id, const std::string& volume_id);
-  std::optional<std::string> linked_volume(const std::string& attachment_id);
-  void unlink_attachment(const std::string& attachment_id);
 
   // Waits for and takes the volume's lock. The table keeps an entry only while someone holds
   // or waits for it: ids come from clients, unknown ones included.
@@ -80,18 +50,18 @@ class VolumeRegistry {
   // refreshed too; one that cannot be is dropped, and reopened by the next user.
   void refresh(const std::string& id, uint64_t size);
   // Forgets the open volume first. Backing that is already gone counts as removed. May take
-  // long (lvm::VolumeStore::remove), telling `progress`.
-  void remove(const std::string& id, const lvm::Progress& progress = {});
+  // long (store::VolumeStore::remove), telling `progress`.
+  void remove(const std::string& id, const store::Progress& progress = {});
 
-  // Writes an image into a new volume's backing (lvm::fill_from_image), telling `progress`.
-  void fill(const std::string& id, uint64_t size, const lvm::ImageSource& image,
-            const lvm::ImageInfo& info, const lvm::Progress& progress);
+  // Writes an image into a new volume's backing (store::fill_from_image), telling `progress`.
+  void fill(const std::string& id, uint64_t size, const store::ImageSource& image,
+            const store::ImageInfo& info, const store::Progress& progress);
 
   // Makes backing `to` of `size` bytes holding the first `length` bytes of `from` (a volume's or
   // a snapshot's): a reflink where the store has them, else a new backing and a copy
-  // (lvm::copy_volume), telling `progress`.
+  // (store::copy_volume), telling `progress`.
   void copy(const std::string& from, uint64_t length, const std::string& to, uint64_t size,
-            const lvm::Progress& progress);
+            const store::Progress& progress);
 
   // Lets go of the open volume, if any: the store's handle closes once the last connection
   // using it has ended. For a shared store, where a gateway must not keep open what it no
@@ -120,7 +90,7 @@ class VolumeRegistry {
                  const std::set<std::string>& deleting);
 
  private:
-  lvm::VolumeStore& store_;
+  store::VolumeStore& store_;
   mutable std::mutex locks_mutex_;
   std::map<std::string, std::weak_ptr<std::mutex>> locks_;
   // Records (and logs, the first time) that the backing is missing; returns the reason.

@@ -16,8 +16,8 @@ namespace {
 
 // A volume_create's `from_image`, opened with the caller's rights: a file the caller could not
 // read itself is `forbidden`, however much the daemon may read. Throws ApiError.
-std::shared_ptr<lvm::ImageSource> open_image(const std::string& path,
-                                             const rights::Credentials& reader) {
+std::shared_ptr<store::ImageSource> open_image(const std::string& path,
+                                               const rights::Credentials& reader) {
   if (path.empty() || path[0] != '/') invalid("from_image must be an absolute path: " + path);
   int fd = -1;
   // O_NONBLOCK: a FIFO must not hold the call until someone writes to it (inspect refuses it).
@@ -27,17 +27,17 @@ std::shared_ptr<lvm::ImageSource> open_image(const std::string& path,
     }
     invalid("from_image: " + path + ": " + std::strerror(err));
   }
-  return std::shared_ptr<lvm::ImageSource>(new lvm::ImageSource{path, fd},
-                                           [](lvm::ImageSource* image) {
-                                             ::close(image->fd);
-                                             delete image;
-                                           });
+  return std::shared_ptr<store::ImageSource>(new store::ImageSource{path, fd},
+                                             [](store::ImageSource* image) {
+                                               ::close(image->fd);
+                                               delete image;
+                                             });
 }
 
 // What `qemu-img info` says of it; throws ApiError.
-lvm::ImageInfo inspect(const lvm::ImageSource& image) {
-  lvm::ImageInfo info;
-  if (lvm::StoreError e = lvm::inspect_image(image, info)) {
+store::ImageInfo inspect(const store::ImageSource& image) {
+  store::ImageInfo info;
+  if (store::StoreError e = store::inspect_image(image, info)) {
     if (e.code.value() == ENOSYS || e.code.value() == EIO) throw ApiError("internal", e.message);
     invalid("from_image: " + e.message);
   }
@@ -60,38 +60,13 @@ std::optional<std::string> Service::roll_back_create(const std::string& id) {
   }
 }
 
-bool Service::roll_back_or_keep(const std::string& id) {
-  const std::optional<std::string> failed = roll_back_create(id);
-  if (!failed) return true;
-  spdlog::error(
-      "control: volume {} could not be rolled back ({}); the next volume_create or start tries "
-      "again",
-      id, *failed);
-  const std::lock_guard lock(roll_backs_mutex_);
-  roll_backs_.insert(id);
-  return false;
-}
-
-void Service::retry_roll_backs() {
-  std::set<std::string> ids;
-  {
-    const std::lock_guard lock(roll_backs_mutex_);
-    ids.swap(roll_backs_);
-  }
-  for (const std::string& id : ids) {
-    if (roll_back_or_keep(id)) {
-      spdlog::info("control: the failed volume_create of volume {} is rolled back now", id);
-    }
-  }
-}
-
 // An intent is recorded before the store is touched and removed in the transaction that adds
 // the row, so that a crash at any point leaves either a whole volume or an intent that the next
 // start rolls back (docs/state.md, "Creates and deletes"). A volume that starts as a copy (of an
 // image, a snapshot or a volume) gets its row at once and keeps its intent until the copy is
 // done (status "creating").
 Json Service::volume_create(const VolumeSpec& spec) {
-  retry_roll_backs();
+  roll_backs_.retry();
   if (spec.multiattach && !policy().allow_multiattach) {
     throw ApiError("policy_denied", "policy forbids multiattach volumes");
   }
@@ -101,9 +76,9 @@ Json Service::volume_create(const VolumeSpec& spec) {
     invalid("give at most one of from_image, from_snapshot and from_volume");
   }
   if (!spec.from_image.empty()) volumes_.require_local("volume_create from_image");
-  lvm::ImageInfo image;
-  std::shared_ptr<lvm::ImageSource> image_source;  // open until its fill is done
-  uint64_t source_size = 0;                        // the bytes the copy brings
+  store::ImageInfo image;
+  std::shared_ptr<store::ImageSource> image_source;  // open until its fill is done
+  uint64_t source_size = 0;                          // the bytes the copy brings
   // A snapshot or volume copied from is kept from deletion until its copy is made, and a
   // volume's writes wait between requests meanwhile (docs/snapshots.md, "Crash consistency").
   std::shared_ptr<void> held;
@@ -113,7 +88,7 @@ Json Service::volume_create(const VolumeSpec& spec) {
     source_size = image.virtual_size;
   } else if (!spec.from_snapshot.empty()) {
     const VolumeLock lock = volumes_.lock(spec.from_snapshot);
-    held = read_by_copy(spec.from_snapshot);
+    held = copies_.read_by_copy(spec.from_snapshot);
     Database::Transaction tx(db_);
     const std::optional<SnapshotRow> snap = tx.snapshot(spec.from_snapshot);
     if (!snap) throw ApiError("not_found", "no snapshot " + spec.from_snapshot);
@@ -129,7 +104,7 @@ Json Service::volume_create(const VolumeSpec& spec) {
       source_size = source.size;
       attachments = tx.attachments(source.id);
     }
-    held = hold_for_copy(spec.from_volume, attachments);
+    held = copies_.hold_for_copy(spec.from_volume, write_accesses(attachments));
   }
   const uint64_t size = spec.size == 0 ? source_size : spec.size;
   if (size < source_size) {
@@ -146,7 +121,7 @@ Json Service::volume_create(const VolumeSpec& spec) {
   if (!spec.from_image.empty()) {
     what = "image " + printable(spec.from_image);
     work = [this, id = v.id, size, source = std::move(image_source),
-            image](const lvm::Progress& p) { volumes_.fill(id, size, *source, image, p); };
+            image](const store::Progress& p) { volumes_.fill(id, size, *source, image, p); };
   } else if (copies) {
     const bool snapshot = !spec.from_snapshot.empty();
     const std::string from = snapshot ? spec.from_snapshot : spec.from_volume;
@@ -165,7 +140,7 @@ Json Service::volume_create(const VolumeSpec& spec) {
     if (!copies || !spec.from_image.empty()) volumes_.create(v.id, v.size);
     if (!copies) publish(v);  // a copy's is saved once its bytes are in (populate)
   } catch (...) {
-    roll_back_or_keep(v.id);
+    roll_backs_.run_or_keep(v.id);
     throw;
   }
   crash_point("volume_create:stored");
@@ -179,7 +154,7 @@ Json Service::volume_create(const VolumeSpec& spec) {
                  copies ? ", copying from " + what : "");
     if (!copies) return out;
   } catch (...) {
-    roll_back_or_keep(v.id);
+    roll_backs_.run_or_keep(v.id);
     throw;
   }
   start_populate(v.id, v.created_at, what, std::move(work));
@@ -191,7 +166,7 @@ void Service::start_populate(const std::string& id, const std::string& created_a
                              const std::string& what, Populate work) {
   try {
     jobs_.start(id, VolumeJobs::Kind::Fill,
-                [this, id, created_at, what, work = std::move(work)](const lvm::Progress& p) {
+                [this, id, created_at, what, work = std::move(work)](const store::Progress& p) {
                   return populate(id, created_at, what, work, p);
                 });
   } catch (const std::exception& e) {  // no thread for it: status error, to delete
@@ -206,8 +181,8 @@ void Service::start_populate(const std::string& id, const std::string& created_a
 // to be deleted. One that a stop interrupts is rolled back by the next start, like any create.
 std::optional<ApiError> Service::populate(const std::string& id, const std::string& created_at,
                                           const std::string& what, const Populate& work,
-                                          const lvm::Progress& progress) {
-  const lvm::Progress paced = [&progress](uint64_t done, uint64_t total) {
+                                          const store::Progress& progress) {
+  const store::Progress paced = [&progress](uint64_t done, uint64_t total) {
     test_pause();
     return progress(done, total);
   };
@@ -274,17 +249,19 @@ Json Service::volume_show(const std::string& id) {
     Database::Transaction tx(db_);
     out = volume_json(tx, find_volume(tx, id));
   }
-  if (volumes_.shared()) {  // read after the transaction: other calls need not wait for it
+  if (shared()) {  // read after the transaction: other calls need not wait for it
     Json others = Json::array();
-    SharedAttachments shared;
+    GatewayRecords::Attachments shared;
     try {
-      shared = read_shared(id);
+      shared = records_->read_attachments(id);
     } catch (const ApiError& e) {  // the volume is still shown, from this gateway's database
       spdlog::warn("control: {}", e.what());
       out["attachments_elsewhere"] = nullptr;
       return out;
     }
-    for (const AttachmentRow& a : elsewhere(id, shared)) others.push_back(attachment_view(a));
+    for (const AttachmentRow& a : records_->elsewhere(id, shared)) {
+      others.push_back(attachment_view(a));
+    }
     out["attachments_elsewhere"] = std::move(others);
   }
   return out;
@@ -300,7 +277,8 @@ Json Service::volume_delete(const std::string& id, bool wait) {
   {
     const VolumeLock lock = volumes_.lock(id);
     // Before the transaction: the cluster may keep it waiting (none for other stores).
-    const std::vector<AttachmentRow> others = elsewhere(id, read_shared(id));
+    const std::vector<AttachmentRow> others =
+        shared() ? records_->elsewhere(id) : std::vector<AttachmentRow>{};
     Database::Transaction tx(db_);
     find_volume(tx, id);
     const std::optional<IntentRow> intent = tx.intent(id);
@@ -323,7 +301,7 @@ Json Service::volume_delete(const std::string& id, bool wait) {
                      "volume " + id + " has " + std::to_string(snaps.size()) +
                          " snapshots (the first: " + snaps[0].id + "); delete them first");
     }
-    if (is_copy_source(id)) {
+    if (copies_.is_copy_source(id)) {
       throw ApiError("volume_busy", "volume " + id + " is being copied into a new volume");
     }
     if (!running) {  // a retry clears the error of the last attempt
@@ -345,8 +323,9 @@ Json Service::volume_delete(const std::string& id, bool wait) {
 
 void Service::start_delete(const std::string& id) {
   try {
-    jobs_.start(id, VolumeJobs::Kind::Delete,
-                [this, id](const lvm::Progress& progress) { return finish_delete(id, progress); });
+    jobs_.start(id, VolumeJobs::Kind::Delete, [this, id](const store::Progress& progress) {
+      return finish_delete(id, progress);
+    });
   } catch (const std::system_error& e) {  // no thread for it: status error, to delete again
     spdlog::error("control: cannot start deleting volume {}: {}", id, e.what());
     Database::Transaction tx(db_);
@@ -357,8 +336,8 @@ void Service::start_delete(const std::string& id) {
 }
 
 std::optional<ApiError> Service::finish_delete(const std::string& id,
-                                               const lvm::Progress& progress) {
-  const lvm::Progress paced = [&progress](uint64_t done, uint64_t total) {
+                                               const store::Progress& progress) {
+  const store::Progress paced = [&progress](uint64_t done, uint64_t total) {
     if (done > 0 && done < total) crash_point("volume_delete:zeroing");
     test_pause();
     return progress(done, total);

@@ -15,24 +15,24 @@
 #include <vector>
 
 #include "fuzz/fuzz_volume.h"
-#include "lvm/volume_store.h"
+#include "store/volume_store.h"
 
 namespace shareblk::fuzz {
 
-class FuzzStore final : public lvm::VolumeStore {
+class FuzzStore final : public store::VolumeStore {
  public:
   enum class Call { Create, Extend, Remove, Open, Refresh, List };
 
   std::string kind() const override { return "fuzz"; }
 
-  lvm::StoreError create(const std::string& id, uint64_t size) override {
+  store::StoreError create(const std::string& id, uint64_t size) override {
     std::lock_guard lock(mutex_);
     if (auto e = take(Call::Create)) return e;
     if (sizes_.count(id) != 0) return error(EEXIST, "volume exists");
     sizes_[id] = size;
     return {};
   }
-  lvm::StoreError extend(const std::string& id, uint64_t size) override {
+  store::StoreError extend(const std::string& id, uint64_t size) override {
     std::lock_guard lock(mutex_);
     if (auto e = take(Call::Extend)) return e;
     auto it = sizes_.find(id);
@@ -41,7 +41,7 @@ class FuzzStore final : public lvm::VolumeStore {
     it->second = size;
     return {};
   }
-  lvm::StoreError remove(const std::string& id, const lvm::Progress& /*progress*/) override {
+  store::StoreError remove(const std::string& id, const store::Progress& /*progress*/) override {
     std::lock_guard lock(mutex_);
     if (auto e = take(Call::Remove)) {
       // A real store says ENOENT only when the backing is not there, and the control plane
@@ -52,8 +52,8 @@ class FuzzStore final : public lvm::VolumeStore {
     if (sizes_.erase(id) == 0) return error(ENOENT, "no such volume");
     return {};
   }
-  lvm::StoreError open(const std::string& id, uint64_t,
-                       std::shared_ptr<backend::Volume>& out) override {
+  store::StoreError open(const std::string& id, uint64_t,
+                         std::shared_ptr<backend::Volume>& out) override {
     std::lock_guard lock(mutex_);
     if (auto e = take(Call::Open)) return e;
     if (sizes_.count(id) == 0) return error(ENOENT, "no such volume");
@@ -61,11 +61,11 @@ class FuzzStore final : public lvm::VolumeStore {
     out = scratch_;
     return {};
   }
-  lvm::StoreError refresh(const std::string&, uint64_t, backend::Volume&) override {
+  store::StoreError refresh(const std::string&, uint64_t, backend::Volume&) override {
     std::lock_guard lock(mutex_);
     return take(Call::Refresh);
   }
-  lvm::StoreError list(std::vector<std::string>& ids) override {
+  store::StoreError list(std::vector<std::string>& ids) override {
     std::lock_guard lock(mutex_);
     if (auto e = take(Call::List)) return e;
     for (const auto& [id, size] : sizes_) ids.push_back(id);
@@ -87,10 +87,10 @@ class FuzzStore final : public lvm::VolumeStore {
   }
 
  private:
-  static lvm::StoreError error(int err, const std::string& message) {
+  static store::StoreError error(int err, const std::string& message) {
     return {std::error_code(err, std::generic_category()), "fuzz store: " + message};
   }
-  lvm::StoreError take(Call call) {  // under mutex_
+  store::StoreError take(Call call) {  // under mutex_
     auto it = failures_.find(call);
     if (it == failures_.end()) return {};
     const int err = it->second;

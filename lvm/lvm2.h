@@ -10,19 +10,16 @@
 #include <vector>
 
 #include "backend/backend.h"
-#include "lvm/volume_store.h"
+#include "store/command.h"
+#include "store/volume_store.h"
 
 namespace shareblk::lvm {
 
-struct CommandResult {
-  int status = -1;     // exit code; -1 when it could not run or was killed
-  int exec_errno = 0;  // ENOENT when the program is not installed
-  std::string out;
-  std::string err;
-};
-
-// Runs one program; argv[0] is the program.
-using CommandRunner = std::function<CommandResult(const std::vector<std::string>& argv)>;
+using store::CommandResult;
+using store::CommandRunner;
+using store::Progress;
+using store::StoreError;
+using store::VolumeStore;
 
 struct Lvm2 {
   // Runs one of lvm2's tools, argv[0] being the tool ("lvs", "lvcreate", ...); whoever runs it

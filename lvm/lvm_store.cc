@@ -317,7 +317,7 @@ Lvm2 configured_lvm2(const std::string& config, CommandRunner run_lvm, bool devi
 
 Lvm2 local_lvm2(const std::string& config) {
   return configured_lvm2(
-      config, [](const std::vector<std::string>& argv) { return run_command(argv); },
+      config, [](const std::vector<std::string>& argv) { return store::run_command(argv); },
       device_mapper_answers());
 }
 

@@ -5,8 +5,8 @@
 #include <memory>
 #include <string>
 
-#include "lvm/command.h"
-#include "lvm/volume_store.h"
+#include "lvm/lvm2.h"
+#include "store/volume_store.h"
 
 namespace shareblk::lvm {
 

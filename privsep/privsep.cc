@@ -124,14 +124,14 @@ Json answer(const Json& request, const HelperConfig& config, const lvm::Lvm2& lv
     for (const Json& arg : request.at("argv")) argv.push_back(arg.get<std::string>());
     std::string why;
     if (!lvm::check_lvm2_request(config.vg, argv, why)) return refusal(EPERM, why);
-    const lvm::CommandResult r = lvm2.run(argv);
+    const store::CommandResult r = lvm2.run(argv);
     return Json{{"status", r.status}, {"exec_errno", r.exec_errno}, {"out", r.out}, {"err", r.err}};
   }
   if (op == "open") {
     const std::string path = request.at("path").get<std::string>();
     const int flags = request.at("flags").get<int>();
     std::vector<std::string> pvs;
-    if (lvm::StoreError e = lvm::physical_volumes(lvm2, config.vg, pvs)) {
+    if (store::StoreError e = lvm::physical_volumes(lvm2, config.vg, pvs)) {
       return refusal(e.code.value(), e.message);
     }
     std::string why;
@@ -329,7 +329,7 @@ int Helper::hello(std::string& vg, bool& device_mapper, std::string& error) {
   return 0;
 }
 
-int Helper::run_lvm(const std::vector<std::string>& argv, lvm::CommandResult& out,
+int Helper::run_lvm(const std::vector<std::string>& argv, store::CommandResult& out,
                     std::string& error) {
   Reply reply;
   if (const int err = call(Json{{"op", "lvm"}, {"argv", argv}}.dump(), reply, error)) return err;
@@ -377,7 +377,7 @@ lvm::Lvm2 Helper::lvm2(bool device_mapper) {
   lvm2.device_mapper = device_mapper;
   std::shared_ptr<Helper> self = shared_from_this();
   lvm2.run = [self](const std::vector<std::string>& argv) {
-    lvm::CommandResult result;
+    store::CommandResult result;
     std::string error;
     if (const int err = self->run_lvm(argv, result, error)) {
       result = {};

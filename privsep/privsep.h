@@ -72,7 +72,7 @@ class Helper : public std::enable_shared_from_this<Helper> {
   std::shared_ptr<fuse::Mounter> mounter();
 
   // The requests themselves (what lvm2() and mounter() use). 0 or errno, with `error`.
-  int run_lvm(const std::vector<std::string>& argv, lvm::CommandResult& out, std::string& error);
+  int run_lvm(const std::vector<std::string>& argv, store::CommandResult& out, std::string& error);
   int open_device(const std::string& path, int flags, int& fd, std::string& error);
   int mount(const std::string& mountpoint, int& fuse_fd, std::string& resolved, std::string& error);
   int unmount(const std::string& resolved, bool& lazily, std::string& error);

@@ -54,10 +54,12 @@ class RbdImage final : public backend::RemoteImage {
               std::vector<backend::Extent>& out) override;
   int size(uint64_t& out) override;
   bool writable() const override { return true; }
-  int claim_writer() override;
-  int fence_writer(std::string& fenced, const std::string& only) override;
-  int lock_owner(std::string& out) override;
-  void release_writer() override;
+  // The image's exclusive lock as a single-writer volume's writer lock (store::Gateways'
+  // claim_writer, fence_writer, lock_owner, release_writer say what each does).
+  int claim_writer();
+  int fence_writer(std::string& fenced, const std::string& only);
+  int lock_owner(std::string& out);
+  void release_writer();
 
  private:
   RbdImage() = default;

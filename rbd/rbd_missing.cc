@@ -9,8 +9,10 @@ bool available() {
   return false;
 }
 
-std::unique_ptr<lvm::VolumeStore> make_rbd_store(const ClusterOptions&, lvm::StoreError& error) {
-  error = lvm::StoreError::from_errno(ENOTSUP, "this shareblkd was built without librbd");
+std::unique_ptr<store::VolumeStore> make_rbd_store(const ClusterOptions&,
+                                                   std::unique_ptr<store::Gateways>& /*gateways*/,
+                                                   store::StoreError& error) {
+  error = store::StoreError::from_errno(ENOTSUP, "this shareblkd was built without librbd");
   return nullptr;
 }
 

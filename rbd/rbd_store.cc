@@ -18,8 +18,8 @@ namespace {
 
 constexpr const char* kPrefix = "volume-";
 // The image metadata keys that hold a volume's definition (save_definition).
-const char* definition_key(lvm::VolumeStore::DefinitionPart part) {
-  return part == lvm::VolumeStore::DefinitionPart::Writer ? "shareblk.writer" : "shareblk.volume";
+const char* definition_key(store::Gateways::DefinitionPart part) {
+  return part == store::Gateways::DefinitionPart::Writer ? "shareblk.writer" : "shareblk.volume";
 }
 // The RADOS object of a volume's shared record (read_record), and its version's xattr.
 constexpr const char* kRecordPrefix = "shareblk.volume.";
@@ -27,8 +27,8 @@ constexpr const char* kRecordVersion = "shareblk.version";
 // The RADOS object that names an attachment's volume (link_attachment).
 constexpr const char* kLinkPrefix = "shareblk.attachment.";
 
-lvm::StoreError failure(int rc, const std::string& what) {
-  return lvm::StoreError::from_errno(-rc, what);
+store::StoreError failure(int rc, const std::string& what) {
+  return store::StoreError::from_errno(-rc, what);
 }
 
 // A librados configuration value, or "" when it has none.
@@ -45,7 +45,7 @@ struct ScopedImage {
   rbd_image_t image = nullptr;
 };
 
-class RbdVolumeStore final : public lvm::VolumeStore {
+class RbdVolumeStore final : public store::VolumeStore {
  public:
   explicit RbdVolumeStore(std::shared_ptr<Cluster> cluster) : cluster_(std::move(cluster)) {}
 
@@ -53,12 +53,12 @@ class RbdVolumeStore final : public lvm::VolumeStore {
   bool local() const override { return false; }
 
   // The store's calls fail as the images' requests do: a blocklisted client is noted.
-  lvm::StoreError failure(int rc, const std::string& what) const {
+  store::StoreError failure(int rc, const std::string& what) const {
     cluster_->note(rc);
     return rbd::failure(rc, what);
   }
 
-  lvm::StoreError create(const std::string& id, uint64_t size) override {
+  store::StoreError create(const std::string& id, uint64_t size) override {
     const std::string name = image_name(id);
     // The pool's (or the cluster's) default features: with exclusive-lock, one gateway at a
     // time writes, which the fencing of several gateways builds on.
@@ -70,7 +70,7 @@ class RbdVolumeStore final : public lvm::VolumeStore {
     return {};
   }
 
-  lvm::StoreError extend(const std::string& id, uint64_t size) override {
+  store::StoreError extend(const std::string& id, uint64_t size) override {
     const std::string name = image_name(id);
     ScopedImage image;
     if (int rc = rbd_open(cluster_->io, name.c_str(), &image.image, nullptr); rc < 0) {
@@ -86,7 +86,7 @@ class RbdVolumeStore final : public lvm::VolumeStore {
     return {};
   }
 
-  lvm::StoreError remove(const std::string& id, const lvm::Progress&) override {
+  store::StoreError remove(const std::string& id, const store::Progress&) override {
     const std::string name = image_name(id);
     // The ring that served the volume closes its image as soon as it wakes (RemoteImage::
     // orphan): until then the image has a watcher, and librbd refuses with EBUSY.
@@ -101,15 +101,15 @@ class RbdVolumeStore final : public lvm::VolumeStore {
     }
   }
 
-  lvm::StoreError open(const std::string& id, uint64_t size,
-                       std::shared_ptr<backend::Volume>& out) override {
+  store::StoreError open(const std::string& id, uint64_t size,
+                         std::shared_ptr<backend::Volume>& out) override {
     const std::string name = image_name(id);
     std::shared_ptr<RbdImage> image;
     if (int err = RbdImage::open(cluster_, name, image)) {
-      return lvm::StoreError::from_errno(err, "open RBD image " + where(name));
+      return store::StoreError::from_errno(err, "open RBD image " + where(name));
     }
     uint64_t actual = 0;
-    if (int err = image->size(actual)) return lvm::StoreError::from_errno(err, "size of " + name);
+    if (int err = image->size(actual)) return store::StoreError::from_errno(err, "size of " + name);
     if (actual < size) {
       // Shrunk behind our back: serving the recorded size would read past its end.
       return {std::error_code(EIO, std::generic_category()),
@@ -121,18 +121,19 @@ class RbdVolumeStore final : public lvm::VolumeStore {
     return {};
   }
 
-  lvm::StoreError refresh(const std::string& id, uint64_t size, backend::Volume& volume) override {
+  store::StoreError refresh(const std::string& id, uint64_t size,
+                            backend::Volume& volume) override {
     if (int err = volume.refresh_size()) {
-      return lvm::StoreError::from_errno(err, "size of " + image_name(id));
+      return store::StoreError::from_errno(err, "size of " + image_name(id));
     }
     if (volume.size() < size) {
-      return lvm::StoreError::from_errno(
+      return store::StoreError::from_errno(
           EIO, "RBD image " + where(image_name(id)) + " did not grow to " + std::to_string(size));
     }
     return {};
   }
 
-  lvm::StoreError list(std::vector<std::string>& ids) override {
+  store::StoreError list(std::vector<std::string>& ids) override {
     ids.clear();
     std::vector<rbd_image_spec_t> images(64);
     size_t count = images.size();
@@ -149,10 +150,47 @@ class RbdVolumeStore final : public lvm::VolumeStore {
     return {};
   }
 
+ private:
+  static std::string record_name(const std::string& id) { return kRecordPrefix + id; }
+  static std::string image_name(const std::string& id) { return kPrefix + id; }
+  std::string where(const std::string& name) const { return cluster_->pool + "/" + name; }
+
+  std::shared_ptr<Cluster> cluster_;
+};
+
+// The gateways' records of the pool's volumes: RADOS objects and image metadata beside the
+// images, and the images' exclusive locks as the writer lock.
+class RbdGateways final : public store::Gateways {
+ public:
+  explicit RbdGateways(std::shared_ptr<Cluster> cluster) : cluster_(std::move(cluster)) {}
+
+  // The calls fail as the images' requests do: a blocklisted client is noted.
+  store::StoreError failure(int rc, const std::string& what) const {
+    cluster_->note(rc);
+    return rbd::failure(rc, what);
+  }
+
+  // The volume's image holds the lock; the store opens nothing else.
+  int claim_writer(backend::Volume& volume) override {
+    RbdImage* image = image_of(volume);
+    return image ? image->claim_writer() : EINVAL;
+  }
+  int fence_writer(backend::Volume& volume, std::string& fenced, const std::string& only) override {
+    RbdImage* image = image_of(volume);
+    return image ? image->fence_writer(fenced, only) : EINVAL;
+  }
+  int lock_owner(backend::Volume& volume, std::string& out) override {
+    RbdImage* image = image_of(volume);
+    return image ? image->lock_owner(out) : EINVAL;
+  }
+  void release_writer(backend::Volume& volume) override {
+    if (RbdImage* image = image_of(volume)) image->release_writer();
+  }
+
   // In the image's own metadata: it goes with the image, and librbd sends the write to the
   // gateway holding the image's lock, if another does.
-  lvm::StoreError save_definition(const std::string& id, DefinitionPart part,
-                                  const std::string& text) override {
+  store::StoreError save_definition(const std::string& id, DefinitionPart part,
+                                    const std::string& text) override {
     const std::string name = image_name(id);
     ScopedImage image;
     if (int rc = rbd_open(cluster_->io, name.c_str(), &image.image, nullptr); rc < 0) {
@@ -164,8 +202,8 @@ class RbdVolumeStore final : public lvm::VolumeStore {
     return {};
   }
 
-  lvm::StoreError load_definition(const std::string& id, DefinitionPart part,
-                                  std::string& text) override {
+  store::StoreError load_definition(const std::string& id, DefinitionPart part,
+                                    std::string& text) override {
     const std::string name = image_name(id);
     ScopedImage image;
     if (int rc = rbd_open_read_only(cluster_->io, name.c_str(), &image.image, nullptr); rc < 0) {
@@ -186,8 +224,8 @@ class RbdVolumeStore final : public lvm::VolumeStore {
 
   // A RADOS object of the pool beside the image; its version in an xattr, which a write
   // compares and bumps in the same operation as it replaces the data (one atomic OSD op).
-  lvm::StoreError read_record(const std::string& id, std::string& text,
-                              uint64_t& version) override {
+  store::StoreError read_record(const std::string& id, std::string& text,
+                                uint64_t& version) override {
     const std::string oid = record_name(id);
     std::string data(64 * 1024, '\0');
     for (;;) {
@@ -228,8 +266,8 @@ class RbdVolumeStore final : public lvm::VolumeStore {
     }
   }
 
-  lvm::StoreError write_record(const std::string& id, const std::string& text,
-                               uint64_t version) override {
+  store::StoreError write_record(const std::string& id, const std::string& text,
+                                 uint64_t version) override {
     const std::string oid = record_name(id);
     const std::string was = std::to_string(version);
     const std::string next = std::to_string(version + 1);
@@ -251,7 +289,7 @@ class RbdVolumeStore final : public lvm::VolumeStore {
 
   // A RADOS watch on the record's object; its callbacks run on librados' threads and only
   // call `changed`, which must not block, then acknowledge the notify.
-  lvm::StoreError watch_record(const std::string& id, const RecordChanged& changed) override {
+  store::StoreError watch_record(const std::string& id, const RecordChanged& changed) override {
     std::lock_guard lock(watches_mutex_);
     if (watches_.count(id) != 0) return {};
     auto watch = std::make_unique<Watch>(Watch{cluster_.get(), id, record_name(id), changed, 0});
@@ -275,7 +313,8 @@ class RbdVolumeStore final : public lvm::VolumeStore {
     rados_watch_flush(cluster_->rados);  // no callback of it runs after this
   }
 
-  lvm::StoreError notify_record(const std::string& id, std::chrono::milliseconds timeout) override {
+  store::StoreError notify_record(const std::string& id,
+                                  std::chrono::milliseconds timeout) override {
     const std::string oid = record_name(id);
     char* reply = nullptr;
     size_t reply_length = 0;
@@ -287,15 +326,16 @@ class RbdVolumeStore final : public lvm::VolumeStore {
   }
 
   // A small object per attachment naming its volume; written once, removed at its detach.
-  lvm::StoreError link_attachment(const std::string& attachment_id,
-                                  const std::string& volume_id) override {
+  store::StoreError link_attachment(const std::string& attachment_id,
+                                    const std::string& volume_id) override {
     const std::string oid = kLinkPrefix + attachment_id;
     const int rc = rados_write_full(cluster_->io, oid.c_str(), volume_id.data(), volume_id.size());
     if (rc < 0) return failure(rc, "write " + where(oid));
     return {};
   }
 
-  lvm::StoreError linked_volume(const std::string& attachment_id, std::string& volume_id) override {
+  store::StoreError linked_volume(const std::string& attachment_id,
+                                  std::string& volume_id) override {
     const std::string oid = kLinkPrefix + attachment_id;
     std::string data(512, '\0');
     const int rc = rados_read(cluster_->io, oid.c_str(), data.data(), data.size(), 0);
@@ -304,14 +344,14 @@ class RbdVolumeStore final : public lvm::VolumeStore {
     return {};
   }
 
-  lvm::StoreError unlink_attachment(const std::string& attachment_id) override {
+  store::StoreError unlink_attachment(const std::string& attachment_id) override {
     const std::string oid = kLinkPrefix + attachment_id;
     const int rc = rados_remove(cluster_->io, oid.c_str());
     if (rc < 0 && rc != -ENOENT) return failure(rc, "remove " + where(oid));
     return {};
   }
 
-  ~RbdVolumeStore() override {
+  ~RbdGateways() override {
     std::vector<std::string> ids;
     {
       std::lock_guard lock(watches_mutex_);
@@ -345,6 +385,9 @@ class RbdVolumeStore final : public lvm::VolumeStore {
 
   std::mutex watches_mutex_;
   std::map<std::string, std::unique_ptr<Watch>> watches_;
+  static RbdImage* image_of(backend::Volume& volume) {
+    return dynamic_cast<RbdImage*>(volume.remote().get());
+  }
   static std::string record_name(const std::string& id) { return kRecordPrefix + id; }
   static std::string image_name(const std::string& id) { return kPrefix + id; }
   std::string where(const std::string& name) const { return cluster_->pool + "/" + name; }
@@ -358,8 +401,9 @@ bool available() {
   return true;
 }
 
-std::unique_ptr<lvm::VolumeStore> make_rbd_store(const ClusterOptions& options,
-                                                 lvm::StoreError& error) {
+std::unique_ptr<store::VolumeStore> make_rbd_store(const ClusterOptions& options,
+                                                   std::unique_ptr<store::Gateways>& gateways,
+                                                   store::StoreError& error) {
   auto cluster = std::make_shared<Cluster>();
   cluster->pool = options.pool;
   cluster->on_fenced = options.on_fenced;
@@ -408,6 +452,7 @@ std::unique_ptr<lvm::VolumeStore> make_rbd_store(const ClusterOptions& options,
   spdlog::info("store: RBD pool {} of the cluster at {} (client.{})", options.pool,
                conf_value(cluster->rados, "mon_host"),
                options.client_id.empty() ? "admin" : options.client_id);
+  gateways = std::make_unique<RbdGateways>(cluster);
   return std::make_unique<RbdVolumeStore>(std::move(cluster));
 }
 

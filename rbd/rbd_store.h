@@ -2,7 +2,7 @@
 // outgrow one host. Each volume is the image `volume-<id>` of POOL, made, grown and removed
 // with librbd; its I/O goes through librbd's asynchronous calls, reaped on the io_uring worker
 // that serves the volume (backend::RemoteImage). The control plane sees an ordinary
-// lvm::VolumeStore.
+// store::VolumeStore, and the store::Gateways through which the gateways of the pool coordinate.
 #pragma once
 
 #include <chrono>
@@ -10,7 +10,8 @@
 #include <memory>
 #include <string>
 
-#include "lvm/volume_store.h"
+#include "store/gateways.h"
+#include "store/volume_store.h"
 
 namespace shareblk::rbd {
 
@@ -42,7 +43,9 @@ struct ClusterOptions {
 // volume in one gateway's memory (docs/scale-out.md, "Durability"). Unless the configuration
 // says otherwise, librbd also starts each request on the calling worker's thread
 // (rbd_non_blocking_aio = false; docs/scale-out.md, "I/O").
-std::unique_ptr<lvm::VolumeStore> make_rbd_store(const ClusterOptions& options,
-                                                 lvm::StoreError& error);
+// `gateways` is set with the store: the pool's records, and its images' locks as writer locks.
+std::unique_ptr<store::VolumeStore> make_rbd_store(const ClusterOptions& options,
+                                                   std::unique_ptr<store::Gateways>& gateways,
+                                                   store::StoreError& error);
 
 }  // namespace shareblk::rbd

@@ -1,4 +1,4 @@
-#include "lvm/command.h"
+#include "store/command.h"
 
 #include <fcntl.h>
 #include <poll.h>
@@ -13,7 +13,7 @@
 
 extern char** environ;
 
-namespace shareblk::lvm {
+namespace shareblk::store {
 
 namespace {
 
@@ -116,4 +116,4 @@ CommandResult run_command_watched(const std::vector<std::string>& argv, const Ou
   return run(argv, std::chrono::hours(24 * 365), on_out, input);
 }
 
-}  // namespace shareblk::lvm
+}  // namespace shareblk::store

@@ -1,4 +1,5 @@
-// Internal to lvm/: runs a program (never through a shell) and captures what it says.
+// store: runs a program (never through a shell) and captures what it says. The LVM store runs
+// lvm2's tools with it, and image filling runs qemu-img.
 #pragma once
 
 #include <chrono>
@@ -7,9 +8,17 @@
 #include <string_view>
 #include <vector>
 
-#include "lvm/lvm2.h"
+namespace shareblk::store {
 
-namespace shareblk::lvm {
+struct CommandResult {
+  int status = -1;     // exit code; -1 when it could not run or was killed
+  int exec_errno = 0;  // ENOENT when the program is not installed
+  std::string out;
+  std::string err;
+};
+
+// Runs one program; argv[0] is the program.
+using CommandRunner = std::function<CommandResult(const std::vector<std::string>& argv)>;
 
 // `input`: a descriptor the program gets as its standard input (/dev/null when -1).
 CommandResult run_command(const std::vector<std::string>& argv,
@@ -23,4 +32,4 @@ using OutputWatcher = std::function<bool(std::string_view chunk)>;
 CommandResult run_command_watched(const std::vector<std::string>& argv, const OutputWatcher& on_out,
                                   int input = -1);
 
-}  // namespace shareblk::lvm
+}  // namespace shareblk::store

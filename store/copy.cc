@@ -8,9 +8,9 @@
 #include <memory>
 #include <vector>
 
-#include "lvm/volume_store.h"
+#include "store/volume_store.h"
 
-namespace shareblk::lvm {
+namespace shareblk::store {
 
 namespace {
 
@@ -112,4 +112,4 @@ StoreError copy_volume(const backend::Volume& from, const backend::Volume& to, u
   return {};
 }
 
-}  // namespace shareblk::lvm
+}  // namespace shareblk::store

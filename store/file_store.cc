@@ -7,10 +7,9 @@
 
 #include <filesystem>
 
-#include "lvm/lvm2.h"
-#include "lvm/volume_store.h"
+#include "store/volume_store.h"
 
-namespace shareblk::lvm {
+namespace shareblk::store {
 
 namespace {
 
@@ -139,53 +138,6 @@ StoreError VolumeStore::clone(const std::string& /*from*/, const std::string& /*
   return StoreError::from_errno(ENOTSUP, "clone");
 }
 
-StoreError VolumeStore::save_definition(const std::string& /*id*/, DefinitionPart /*part*/,
-                                        const std::string& /*text*/) {
-  return {};
-}
-
-StoreError VolumeStore::read_record(const std::string& /*id*/, std::string& text,
-                                    uint64_t& version) {
-  text.clear();
-  version = 0;
-  return {};
-}
-
-StoreError VolumeStore::write_record(const std::string& /*id*/, const std::string& /*text*/,
-                                     uint64_t /*version*/) {
-  return {};
-}
-
-StoreError VolumeStore::watch_record(const std::string& /*id*/, const RecordChanged& /*changed*/) {
-  return {};
-}
-
-void VolumeStore::unwatch_record(const std::string& /*id*/) {}
-
-StoreError VolumeStore::notify_record(const std::string& /*id*/,
-                                      std::chrono::milliseconds /*timeout*/) {
-  return {};
-}
-
-StoreError VolumeStore::link_attachment(const std::string& /*attachment_id*/,
-                                        const std::string& /*volume_id*/) {
-  return {};
-}
-
-StoreError VolumeStore::linked_volume(const std::string& attachment_id,
-                                      std::string& /*volume_id*/) {
-  return StoreError::from_errno(ENOENT, "no shared link of attachment " + attachment_id);
-}
-
-StoreError VolumeStore::unlink_attachment(const std::string& /*attachment_id*/) {
-  return {};
-}
-
-StoreError VolumeStore::load_definition(const std::string& id, DefinitionPart /*part*/,
-                                        std::string& /*text*/) {
-  return StoreError::from_errno(ENOENT, "no shared definition of volume " + id);
-}
-
 std::unique_ptr<VolumeStore> make_file_store(const std::string& dir, bool preallocate,
                                              StoreError& error) {
   std::error_code ec;
@@ -197,18 +149,4 @@ std::unique_ptr<VolumeStore> make_file_store(const std::string& dir, bool preall
   return std::make_unique<FileVolumeStore>(dir, preallocate);
 }
 
-std::unique_ptr<VolumeStore> make_store(const std::string& spec, const std::string& state_dir,
-                                        const std::string& lvm_config, bool preallocate,
-                                        StoreError& error, const Lvm2* lvm2) {
-  if (spec == "file") {
-    return make_file_store((fs::path(state_dir) / "volumes").string(), preallocate, error);
-  }
-  if (spec.rfind("lvm:", 0) == 0 && spec.size() > 4) {
-    return make_lvm_store(spec.substr(4), lvm2 != nullptr ? *lvm2 : local_lvm2(lvm_config), error);
-  }
-  error = {std::make_error_code(std::errc::invalid_argument),
-           "--store wants 'file', 'lvm:VG' or 'rbd:POOL', got '" + spec + "'"};
-  return nullptr;
-}
-
-}  // namespace shareblk::lvm
+}  // namespace shareblk::store

@@ -7,10 +7,10 @@
 #include <string>
 #include <vector>
 
-#include "lvm/command.h"
-#include "lvm/volume_store.h"
+#include "store/command.h"
+#include "store/volume_store.h"
 
-namespace shareblk::lvm {
+namespace shareblk::store {
 
 namespace {
 
@@ -140,4 +140,4 @@ StoreError fill_from_image(const backend::Volume& volume, const ImageSource& sou
   return {};
 }
 
-}  // namespace shareblk::lvm
+}  // namespace shareblk::store

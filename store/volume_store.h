@@ -1,10 +1,10 @@
-// lvm: where volumes' bytes live. A VolumeStore creates, grows, deletes and opens the backing
-// of a volume by id. The embedded default keeps one file per volume; the LVM store keeps one
-// logical volume per volume. The control plane's SQLite state is the source of truth for
-// volume metadata; a store only holds bytes.
+// store: where volumes' bytes live. A VolumeStore creates, grows, deletes and opens the backing
+// of a volume by id, and holds nothing but bytes: the control plane's SQLite state is the source
+// of truth for volume metadata. This part keeps the interface and the embedded default, one file
+// per volume; lvm/ keeps a logical volume per volume, rbd/ an RBD image. What gateways that
+// share a store keep beside the bytes to coordinate is another interface (store/gateways.h).
 #pragma once
 
-#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -14,7 +14,7 @@
 
 #include "backend/backend.h"
 
-namespace shareblk::lvm {
+namespace shareblk::store {
 
 // A store operation's failure: an errno-style code (ENOSPC, ENOENT, EEXIST, or anything for
 // "internal") and the words an operator needs, such as lvm2's message.
@@ -64,42 +64,6 @@ class VolumeStore {
   // where the store or its file system cannot: the caller then creates `to` and copies
   // (copy_volume). EEXIST if `to` has backing.
   virtual StoreError clone(const std::string& from, const std::string& to, uint64_t size);
-
-  // For a store that several gateways share (not local()): a volume's definition, text the
-  // control plane writes and reads back, kept with the backing so that another gateway can
-  // serve the volume (docs/scale-out.md, "Several gateways"). Its parts are written apart,
-  // each whole: what the volume is, and who its writer is (written only by the gateway that
-  // holds or takes the writer's lock). A local store keeps none: saving succeeds and
-  // loading is ENOENT.
-  enum class DefinitionPart { Volume, Writer };
-  virtual StoreError save_definition(const std::string& id, DefinitionPart part,
-                                     const std::string& text);
-  virtual StoreError load_definition(const std::string& id, DefinitionPart part, std::string& text);
-
-  // For a store that several gateways share: a small record per volume that they all read and
-  // change (its attachments across gateways), with a version: 0 and "" when there is none.
-  // write_record() replaces it only if its version is still `version`, making it version + 1;
-  // ECANCELED when another gateway changed it since (read it again). So two gateways never
-  // both succeed from the same version. remove() removes it with the backing. A local store
-  // keeps none (reads as version 0; writes succeed and keep nothing).
-  virtual StoreError read_record(const std::string& id, std::string& text, uint64_t& version);
-  virtual StoreError write_record(const std::string& id, const std::string& text, uint64_t version);
-  // Watching a record: `changed(id)` runs, on a thread of the store's, whenever a gateway
-  // calls notify_record() for it (and when the watch may have missed one); it must not
-  // block. unwatch_record() returns once no call of it runs or will. notify_record() returns
-  // once every watcher has seen the notify, or after `timeout` (ETIMEDOUT). A local store
-  // keeps no watches: watching succeeds, notifying reaches nobody.
-  using RecordChanged = std::function<void(const std::string& id)>;
-  virtual StoreError watch_record(const std::string& id, const RecordChanged& changed);
-  virtual void unwatch_record(const std::string& id);
-  virtual StoreError notify_record(const std::string& id, std::chrono::milliseconds timeout);
-  // For a store that several gateways share: which volume's record an attachment is in, so
-  // that any gateway finds an attachment by its id alone. Forgetting one that is not linked
-  // succeeds. A local store keeps none (saving succeeds, loading is ENOENT).
-  virtual StoreError link_attachment(const std::string& attachment_id,
-                                     const std::string& volume_id);
-  virtual StoreError linked_volume(const std::string& attachment_id, std::string& volume_id);
-  virtual StoreError unlink_attachment(const std::string& attachment_id);
 };
 
 // Copies the first `length` bytes of `from` into `to`, a freshly made backing that reads as
@@ -115,15 +79,6 @@ StoreError copy_volume(const backend::Volume& from, const backend::Volume& to, u
 // when `preallocate` (posix_fallocate; a full disk is then an error of the create).
 std::unique_ptr<VolumeStore> make_file_store(const std::string& dir, bool preallocate,
                                              StoreError& error);
-
-struct Lvm2;
-
-// Parses `--store`: "file" (volumes under `state_dir`/volumes) or "lvm:VG". `preallocate`
-// is the file store's (an LV always has all its extents). The LVM store reaches lvm2 through
-// `lvm2` (lvm/lvm2.h), or by itself with `lvm_config` when that is null.
-std::unique_ptr<VolumeStore> make_store(const std::string& spec, const std::string& state_dir,
-                                        const std::string& lvm_config, bool preallocate,
-                                        StoreError& error, const Lvm2* lvm2 = nullptr);
 
 // A disk image that a new volume is filled from (volume_create's `from_image`).
 struct ImageInfo {
@@ -151,4 +106,4 @@ StoreError inspect_image(const ImageSource& image, ImageInfo& out);
 StoreError fill_from_image(const backend::Volume& volume, const ImageSource& image,
                            const ImageInfo& info, const Progress& progress);
 
-}  // namespace shareblk::lvm
+}  // namespace shareblk::store

@@ -14,7 +14,7 @@
 #include <utility>
 
 #include "control/control.h"
-#include "lvm/volume_store.h"
+#include "store/volume_store.h"
 #include "tests/support.h"
 
 namespace shareblk::testing::control_unit {
@@ -31,8 +31,8 @@ inline constexpr const char* kTcpEndpoint = "127.0.0.1:10809";
 class ControlPlaneTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    shareblk::lvm::StoreError error;
-    store_ = shareblk::lvm::make_file_store(volumes_dir(), false, error);
+    shareblk::store::StoreError error;
+    store_ = shareblk::store::make_file_store(volumes_dir(), false, error);
     ASSERT_TRUE(store_) << error.message;
     open();
   }
@@ -103,7 +103,7 @@ class ControlPlaneTest : public ::testing::Test {
   }
 
   shareblk::testing::TempDir dir_;
-  std::unique_ptr<shareblk::lvm::VolumeStore> store_;
+  std::unique_ptr<shareblk::store::VolumeStore> store_;
   std::unique_ptr<ControlPlane> plane_;
   shareblk::control::Caller caller_{1234, 1000};
   int next_id_ = 1;

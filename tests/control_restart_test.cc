@@ -77,8 +77,8 @@ class NullSubscriber : public shareblk::control::Subscriber {
 class ServiceTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    shareblk::lvm::StoreError error;
-    store_ = shareblk::lvm::make_file_store(dir_ / "volumes", false, error);
+    shareblk::store::StoreError error;
+    store_ = shareblk::store::make_file_store(dir_ / "volumes", false, error);
     ASSERT_TRUE(store_) << error.message;
     service_ =
         std::make_unique<shareblk::control::Service>(dir_ / "shareblk.db", *store_, Policy{});
@@ -100,7 +100,7 @@ class ServiceTest : public ::testing::Test {
   }
 
   shareblk::testing::TempDir dir_;
-  std::unique_ptr<shareblk::lvm::VolumeStore> store_;
+  std::unique_ptr<shareblk::store::VolumeStore> store_;
   std::unique_ptr<shareblk::control::Service> service_;
   shareblk::control::Caller caller_{1234, 1000};
 };

@@ -92,7 +92,7 @@ class PrivilegedHelper : public ::testing::Test {
     vg_.reset();
   }
   int lvm(const std::vector<std::string>& argv, std::string& error) {
-    shareblk::lvm::CommandResult result;
+    shareblk::store::CommandResult result;
     const int err = helper_->run_lvm(argv, result, error);
     if (err == 0 && result.status != 0) error = result.err;
     return err != 0 ? err : result.status;

@@ -10,39 +10,39 @@
 #include <string>
 #include <vector>
 
-#include "lvm/volume_store.h"
+#include "store/volume_store.h"
 #include "tests/support.h"
 
 namespace shareblk::testing {
 
-class FakeVolumeStore final : public lvm::VolumeStore {
+class FakeVolumeStore final : public store::VolumeStore {
  public:
   enum class Call { Create, Extend, Remove, Open, Refresh, List };
 
   std::string kind() const override { return "fake"; }
 
-  lvm::StoreError create(const std::string& id, uint64_t size) override {
+  store::StoreError create(const std::string& id, uint64_t size) override {
     std::lock_guard lock(mutex_);
     if (auto e = take(Call::Create)) return e;
     if (sizes_.count(id) != 0) return error(EEXIST, "volume " + id + " exists");
     sizes_[id] = size;
     return {};
   }
-  lvm::StoreError extend(const std::string& id, uint64_t size) override {
+  store::StoreError extend(const std::string& id, uint64_t size) override {
     std::lock_guard lock(mutex_);
     if (auto e = take(Call::Extend)) return e;
     if (sizes_.count(id) == 0) return error(ENOENT, "no volume " + id);
     sizes_[id] = size;
     return {};
   }
-  lvm::StoreError remove(const std::string& id, const lvm::Progress& /*progress*/) override {
+  store::StoreError remove(const std::string& id, const store::Progress& /*progress*/) override {
     std::lock_guard lock(mutex_);
     if (auto e = take(Call::Remove)) return e;
     if (sizes_.erase(id) == 0) return error(ENOENT, "no volume " + id);
     return {};
   }
-  lvm::StoreError open(const std::string& id, uint64_t size,
-                       std::shared_ptr<backend::Volume>& out) override {
+  store::StoreError open(const std::string& id, uint64_t size,
+                         std::shared_ptr<backend::Volume>& out) override {
     std::lock_guard lock(mutex_);
     if (auto e = take(Call::Open)) return e;
     if (sizes_.count(id) == 0) return error(ENOENT, "no volume " + id);
@@ -53,11 +53,11 @@ class FakeVolumeStore final : public lvm::VolumeStore {
     if (ec) return {ec, ec.message()};
     return {};
   }
-  lvm::StoreError refresh(const std::string&, uint64_t, backend::Volume&) override {
+  store::StoreError refresh(const std::string&, uint64_t, backend::Volume&) override {
     std::lock_guard lock(mutex_);
     return take(Call::Refresh);
   }
-  lvm::StoreError list(std::vector<std::string>& ids) override {
+  store::StoreError list(std::vector<std::string>& ids) override {
     std::lock_guard lock(mutex_);
     if (auto e = take(Call::List)) return e;
     for (const auto& [id, size] : sizes_) ids.push_back(id);
@@ -82,10 +82,10 @@ class FakeVolumeStore final : public lvm::VolumeStore {
   }
 
  private:
-  static lvm::StoreError error(int err, const std::string& message) {
+  static store::StoreError error(int err, const std::string& message) {
     return {std::error_code(err, std::generic_category()), message};
   }
-  lvm::StoreError take(Call call) {
+  store::StoreError take(Call call) {
     ++counts_[call];
     auto it = failures_.find(call);
     if (it == failures_.end()) return {};

@@ -8,7 +8,7 @@
 #include <string>
 
 #include "control/control.h"
-#include "lvm/volume_store.h"
+#include "store/volume_store.h"
 #include "tests/support.h"
 
 namespace {
@@ -18,8 +18,8 @@ using Json = nlohmann::json;
 class JsonRpcIdTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    shareblk::lvm::StoreError error;
-    store_ = shareblk::lvm::make_file_store(dir_ / "volumes", false, error);
+    shareblk::store::StoreError error;
+    store_ = shareblk::store::make_file_store(dir_ / "volumes", false, error);
     ASSERT_TRUE(store_) << error.message;
     plane_ = std::make_unique<shareblk::control::ControlPlane>(dir_ / "shareblk.db", *store_,
                                                                shareblk::control::Policy{});
@@ -29,7 +29,7 @@ class JsonRpcIdTest : public ::testing::Test {
   std::string handle(const std::string& line) { return plane_->handle(line, caller_); }
 
   shareblk::testing::TempDir dir_;
-  std::unique_ptr<shareblk::lvm::VolumeStore> store_;
+  std::unique_ptr<shareblk::store::VolumeStore> store_;
   std::unique_ptr<shareblk::control::ControlPlane> plane_;
   shareblk::control::Caller caller_{1234, 1000};
 };
