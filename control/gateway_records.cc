@@ -172,7 +172,7 @@ std::vector<AttachmentRow> GatewayRecords::elsewhere(const std::string& volume_i
                                                      const Attachments& attachments) const {
   std::vector<AttachmentRow> rows;
   for (const auto& [id, entry] : attachments.entries.items()) {
-    if (!entry.is_object() || entry.value("gateway", "") == gateway_id_) continue;
+    if (!entry.is_object() || is_here(entry)) continue;
     rows.push_back(row_of(volume_id, id, entry));
   }
   return rows;
@@ -184,7 +184,7 @@ std::optional<AttachmentRow> GatewayRecords::find_elsewhere(const std::string& a
   const Attachments attachments = read_attachments(*volume_id);
   if (!attachments.entries.contains(attachment_id)) return std::nullopt;  // a stale link
   const Json& entry = attachments.entries[attachment_id];
-  if (!entry.is_object() || entry.value("gateway", "") == gateway_id_) return std::nullopt;
+  if (!entry.is_object() || is_here(entry)) return std::nullopt;
   return row_of(*volume_id, attachment_id, entry);
 }
 
@@ -227,12 +227,21 @@ void GatewayRecords::remove_attachment(const std::string& volume_id,
   }
 }
 
+std::vector<std::string> GatewayRecords::here(const std::string& volume_id) {
+  std::vector<std::string> ids;
+  const Attachments attachments = read_attachments(volume_id);  // outlives the loop
+  for (const auto& [id, entry] : attachments.entries.items()) {
+    if (is_here(entry)) ids.push_back(id);
+  }
+  return ids;
+}
+
 std::vector<std::pair<std::string, std::string>> GatewayRecords::revoked_here(
     const std::string& volume_id) {
   std::vector<std::pair<std::string, std::string>> revoked;
   const Attachments attachments = read_attachments(volume_id);  // outlives the loop
   for (const auto& [id, entry] : attachments.entries.items()) {
-    if (entry.value("gateway", "") != gateway_id_ || !entry.value("revoked", false)) continue;
+    if (!is_here(entry) || !entry.value("revoked", false)) continue;
     revoked.emplace_back(id, entry.value("revoked_by", "(unknown)"));
   }
   return revoked;

@@ -73,6 +73,8 @@ class GatewayRecords {
   // Takes the attachment out of its volume's record and unlinks it; a failure is logged (the
   // next start prunes it).
   void remove_attachment(const std::string& volume_id, const std::string& attachment_id);
+  // The ids of this gateway's attachments in the volume's record. Throws.
+  std::vector<std::string> here(const std::string& volume_id);
   // This gateway's attachments of the volume that the record says are revoked, with the
   // gateway that revoked each. Throws.
   std::vector<std::pair<std::string, std::string>> revoked_here(const std::string& volume_id);
@@ -123,6 +125,10 @@ class GatewayRecords {
   void release_writer(const std::shared_ptr<backend::Volume>& volume);
 
  private:
+  // An entry this gateway wrote. One that is not an object is no gateway's.
+  bool is_here(const Json& entry) const {
+    return entry.is_object() && entry.value("gateway", "") == gateway_id_;
+  }
   void run_revoker();
 
   store::Gateways& gateways_;

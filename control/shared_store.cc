@@ -228,11 +228,8 @@ void Service::prune_shared() {
       if (!live.empty()) served.push_back(v.id);
       try {
         std::vector<std::string> gone;
-        const GatewayRecords::Attachments record = records_->read_attachments(v.id);
-        for (const auto& [id, entry] : record.entries.items()) {
-          if (entry.value("gateway", "") == records_->gateway_id() && live.count(id) == 0) {
-            gone.push_back(id);
-          }
+        for (const std::string& id : records_->here(v.id)) {
+          if (live.count(id) == 0) gone.push_back(id);
         }
         if (!gone.empty()) stale.emplace_back(v.id, std::move(gone));
       } catch (const ApiError& e) {

@@ -45,18 +45,30 @@ struct ScopedImage {
   rbd_image_t image = nullptr;
 };
 
-class RbdVolumeStore final : public store::VolumeStore {
- public:
-  explicit RbdVolumeStore(std::shared_ptr<Cluster> cluster) : cluster_(std::move(cluster)) {}
+// What the store and the gateways' records share: the pool's client, how they name the
+// pool's objects, and how they report a failure.
+class PoolClient {
+ protected:
+  explicit PoolClient(std::shared_ptr<Cluster> cluster) : cluster_(std::move(cluster)) {}
 
-  std::string kind() const override { return "rbd:" + cluster_->pool; }
-  bool local() const override { return false; }
-
-  // The store's calls fail as the images' requests do: a blocklisted client is noted.
+  // Calls fail as the images' requests do: a blocklisted client is noted.
   store::StoreError failure(int rc, const std::string& what) const {
     cluster_->note(rc);
     return rbd::failure(rc, what);
   }
+  static std::string record_name(const std::string& id) { return kRecordPrefix + id; }
+  static std::string image_name(const std::string& id) { return kPrefix + id; }
+  std::string where(const std::string& name) const { return cluster_->pool + "/" + name; }
+
+  std::shared_ptr<Cluster> cluster_;
+};
+
+class RbdVolumeStore final : public store::VolumeStore, private PoolClient {
+ public:
+  explicit RbdVolumeStore(std::shared_ptr<Cluster> cluster) : PoolClient(std::move(cluster)) {}
+
+  std::string kind() const override { return "rbd:" + cluster_->pool; }
+  bool local() const override { return false; }
 
   store::StoreError create(const std::string& id, uint64_t size) override {
     const std::string name = image_name(id);
@@ -149,26 +161,13 @@ class RbdVolumeStore final : public store::VolumeStore {
     rbd_image_spec_list_cleanup(images.data(), count);
     return {};
   }
-
- private:
-  static std::string record_name(const std::string& id) { return kRecordPrefix + id; }
-  static std::string image_name(const std::string& id) { return kPrefix + id; }
-  std::string where(const std::string& name) const { return cluster_->pool + "/" + name; }
-
-  std::shared_ptr<Cluster> cluster_;
 };
 
 // The gateways' records of the pool's volumes: RADOS objects and image metadata beside the
 // images, and the images' exclusive locks as the writer lock.
-class RbdGateways final : public store::Gateways {
+class RbdGateways final : public store::Gateways, private PoolClient {
  public:
-  explicit RbdGateways(std::shared_ptr<Cluster> cluster) : cluster_(std::move(cluster)) {}
-
-  // The calls fail as the images' requests do: a blocklisted client is noted.
-  store::StoreError failure(int rc, const std::string& what) const {
-    cluster_->note(rc);
-    return rbd::failure(rc, what);
-  }
+  explicit RbdGateways(std::shared_ptr<Cluster> cluster) : PoolClient(std::move(cluster)) {}
 
   // The volume's image holds the lock; the store opens nothing else.
   int claim_writer(backend::Volume& volume) override {
@@ -388,11 +387,6 @@ class RbdGateways final : public store::Gateways {
   static RbdImage* image_of(backend::Volume& volume) {
     return dynamic_cast<RbdImage*>(volume.remote().get());
   }
-  static std::string record_name(const std::string& id) { return kRecordPrefix + id; }
-  static std::string image_name(const std::string& id) { return kPrefix + id; }
-  std::string where(const std::string& name) const { return cluster_->pool + "/" + name; }
-
-  std::shared_ptr<Cluster> cluster_;
 };
 
 }  // namespace

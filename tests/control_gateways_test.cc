@@ -283,6 +283,19 @@ TEST(GatewayRecords, OtherGatewaysEntriesAreRowsWhoseModeFailsClosed) {
   EXPECT_EQ(rows["theirs"].gateway, "g-b");
 }
 
+TEST(GatewayRecords, AnEntryThatIsNotAnObjectIsNoGatewaysAndStopsNothing) {
+  auto cluster = std::make_shared<Cluster>();
+  cluster->records["v"] = {
+      record_of({{"junk", 5}, {"mine", {{"gateway", "g-a"}, {"revoked", true}}}}).dump(), 1};
+  FakeGateways gateways(cluster, "client.a");
+  GatewayRecords records(gateways, "g-a", [](const std::string&) {});
+  EXPECT_EQ(records.here("v"), std::vector<std::string>{"mine"});
+  const auto revoked = records.revoked_here("v");
+  ASSERT_EQ(revoked.size(), 1u);
+  EXPECT_EQ(revoked[0].first, "mine");
+  EXPECT_TRUE(records.elsewhere("v").empty());
+}
+
 TEST(GatewayRecords, AChangeThatKeepsLosingTheRaceIsVolumeBusyAndWritesNothing) {
   auto cluster = std::make_shared<Cluster>();
   cluster->always_lose = true;
