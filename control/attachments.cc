@@ -25,6 +25,26 @@ void refuse_duplicate(const std::vector<AttachmentRow>& attachments, const Attac
   }
 }
 
+// A reservation's host, given later by its connector: refused as a duplicate of another
+// gateway's attachment too (duplicate_attachment), then written into its entry in the shared
+// record with a guarded write. Nothing for a local store (`records` null). Throws ApiError.
+void share_host(GatewayRecords* records, const std::string& volume_id, const AttachmentRow& a,
+                const std::string& host) {
+  if (records == nullptr) return;
+  records->change_attachments(volume_id, [&](GatewayRecords::Attachments& shared) {
+    refuse_duplicate(records->elsewhere(volume_id, shared), a, host);
+    if (!shared.entries.contains(a.id)) return false;  // pruned: the others do not count it
+    shared.entries[a.id]["attached_host"] = host;
+    return true;
+  });
+}
+
+// Whether this gateway's database has the attachment (else another gateway may serve it).
+bool known_here(Database& db, const std::string& attachment_id) {
+  Database::Transaction tx(db);
+  return tx.attachment(attachment_id).has_value();
+}
+
 // Whether one of two comparable paths is the other or inside it: a mount at either hides or
 // is hidden by a mount at the other.
 bool nested(const std::filesystem::path& a, const std::filesystem::path& b) {
@@ -121,13 +141,13 @@ Json Service::attachment_create(const AttachmentSpec& spec) {
   {
     Database::Transaction tx(db_);
     v = find_volume(tx, spec.volume_id);
-    refuse_pending(tx, "volume", v.id, "attached");
+    checks_.refuse_pending(tx, "volume", v.id, "attached");
     for (auto& other : tx.attachments(spec.volume_id)) {
       if (is_live(other.attach_status)) local.push_back(std::move(other));
     }
     tx.commit();  // a volume learnt from the shared store
   }
-  refuse_missing("volume", v.id, v.size, "attached");
+  checks_.refuse_missing("volume", v.id, v.size, "attached");
   a.id = new_uuid();
   a.export_name = random_hex(16);  // 128 random bits: the name is the capability
   a.attach_status = AttachStatus::Reserved;
@@ -152,7 +172,7 @@ Json Service::attachment_create(const AttachmentSpec& spec) {
       throw ApiError("policy_denied", "policy forbids attaching a bootable volume twice");
     }
   };
-  if (!shared()) {
+  if (records_ == nullptr) {
     refuse_second_user(local);
   } else {
     // The other gateways' attachments count too; this one joins their record only if no
@@ -179,9 +199,9 @@ Json Service::attachment_create(const AttachmentSpec& spec) {
   try {
     becomes_writer = a.mode == backend::AttachMode::ReadWrite &&
                      v.writer_policy == WriterPolicy::Single && v.writer.empty() &&
-                     claim_shared_writer(v);
+                     shared_.claim_writer(v);
   } catch (...) {
-    if (shared()) records_->remove_attachment(v.id, a.id);
+    if (records_ != nullptr) records_->remove_attachment(v.id, a.id);
     throw;
   }
   if (becomes_writer) make_writer(v, a.id, a.created_at);
@@ -201,12 +221,13 @@ Json Service::attachment_create(const AttachmentSpec& spec) {
     exports_.unmount(a.id);  // never a mount the database does not know of
     exports_.forget_write_access(a.id);
     qos_.forget_attachment(a.id);
-    if (becomes_writer) release_shared_writer(v);
-    if (shared()) records_->remove_attachment(v.id, a.id);
+    if (becomes_writer) shared_.release_writer(v);
+    if (records_ != nullptr) records_->remove_attachment(v.id, a.id);
     throw;
   }
   try {
-    if (shared()) records_->watch_attachments(v.id);  // revocations by other gateways reach it
+    if (records_ != nullptr)
+      records_->watch_attachments(v.id);  // revocations by other gateways reach it
   } catch (const ApiError& e) {
     spdlog::error(
         "control: {}; attachment {} is revoked by other gateways only from this "
@@ -221,16 +242,16 @@ Json Service::attachment_create(const AttachmentSpec& spec) {
   if (becomes_writer) {
     spdlog::info("control: volume {}: writer (none) -> {} (generation {})", v.id, a.id,
                  v.fencing_generation);
-    publish_writer(v);
+    shared_.publish_writer(v);
   }
-  return attachment_json(a, v);
+  return views_.attachment_json(a, v);
 }
 
 Json Service::attachment_update(const std::string& id, const Json* connector_params,
                                 std::optional<backend::AttachMode> mode) {
   if (connector_params == nullptr) return change_mode(id, mode.value());
   const Json& connector = *connector_params;
-  const std::string volume_id = volume_of(id);
+  const std::string volume_id = volume_of(db_, id);
   const VolumeLock lock = volumes_.lock(volume_id);  // as in attachment_create
   AttachmentRow a;
   VolumeRow v;
@@ -239,18 +260,18 @@ Json Service::attachment_update(const std::string& id, const Json* connector_par
     Database::Transaction tx(db_);
     a = find_attachment(tx, id);
     v = find_volume(tx, volume_id);
-    refuse_pending(tx, "volume", v.id, "attached");
+    checks_.refuse_pending(tx, "volume", v.id, "attached");
     all = tx.attachments(volume_id);
     tx.commit();
   }
-  refuse_missing("volume", v.id, v.size, "attached");
+  checks_.refuse_missing("volume", v.id, v.size, "attached");
   // A reservation without a host takes the connector's (see connect()): that host must not
   // make it a duplicate, which attachment_create could not see yet.
   if (next_status(a.attach_status, AttachEvent::Connect) && a.attached_host.empty() &&
       connector.is_object() && connector.contains("host") && connector["host"].is_string()) {
     const std::string host = connector["host"].get<std::string>();
     refuse_duplicate(all, a, host);
-    share_host(volume_id, a, host);
+    share_host(records_.get(), volume_id, a, host);
   }
   Database::Transaction tx(db_);
   connect(tx, a, v, connector);
@@ -261,22 +282,11 @@ Json Service::attachment_update(const std::string& id, const Json* connector_par
     exports_.unmount(a.id);
     throw;
   }
-  return attachment_json(a, v);
-}
-
-void Service::share_host(const std::string& volume_id, const AttachmentRow& a,
-                         const std::string& host) {
-  if (!shared()) return;
-  records_->change_attachments(volume_id, [&](GatewayRecords::Attachments& shared) {
-    refuse_duplicate(records_->elsewhere(volume_id, shared), a, host);
-    if (!shared.entries.contains(a.id)) return false;  // pruned: the others do not count it
-    shared.entries[a.id]["attached_host"] = host;
-    return true;
-  });
+  return views_.attachment_json(a, v);
 }
 
 Json Service::attachment_qos(const std::string& id, const target::QosSpec& spec) {
-  const std::string volume_id = volume_of(id);
+  const std::string volume_id = volume_of(db_, id);
   const VolumeLock lock = volumes_.lock(volume_id);
   Database::Transaction tx(db_);
   AttachmentRow a = find_attachment(tx, id);
@@ -284,7 +294,7 @@ Json Service::attachment_qos(const std::string& id, const target::QosSpec& spec)
   transition(a.id, a.attach_status, AttachEvent::ChangeQos);
   a.qos = qos_text(spec);
   tx.update_attachment(a);
-  Json out = attachment_json(a, v);
+  Json out = views_.attachment_json(a, v);
   tx.commit();
   // Its connections take it from their next request on.
   qos_.set_attachment(a.id, volume_id, spec, v.qos);
@@ -292,7 +302,7 @@ Json Service::attachment_qos(const std::string& id, const target::QosSpec& spec)
 }
 
 Json Service::attachment_complete(const std::string& id) {
-  const std::string volume_id = volume_of(id);
+  const std::string volume_id = volume_of(db_, id);
   const VolumeLock lock = volumes_.lock(volume_id);
   Database::Transaction tx(db_);
   AttachmentRow a = find_attachment(tx, id);
@@ -303,7 +313,7 @@ Json Service::attachment_complete(const std::string& id) {
     a.attach_time = now_iso();
     tx.update_attachment(a);
   }
-  Json out = attachment_json(a, v);
+  Json out = views_.attachment_json(a, v);
   tx.commit();
   return out;
 }
@@ -324,7 +334,7 @@ Json Service::detach(const std::string& volume_id, const std::string& attachment
     v = find_volume(tx, volume_id);
   }
   a.attach_status = transition(a.id, a.attach_status, AttachEvent::Detach);
-  if (!is_live(a.attach_status)) return attachment_json(a, v);  // done before
+  if (!is_live(a.attach_status)) return views_.attachment_json(a, v);  // done before
   const bool journaled = journal_.record(a.id);
   if (!journaled) {
     try {
@@ -337,7 +347,7 @@ Json Service::detach(const std::string& volume_id, const std::string& attachment
     }
   }
   const bool lazy = exports_.revoke(a.id);
-  if (shared())
+  if (records_ != nullptr)
     records_->remove_attachment(volume_id, a.id);  // the other gateways may count without it now
   a.attach_status = transition(a.id, a.attach_status, AttachEvent::Finish);
   a.detach_time = now_iso();
@@ -346,8 +356,8 @@ Json Service::detach(const std::string& volume_id, const std::string& attachment
   if (was_writer) {
     make_writer(v, "", a.detach_time);
     // Its writes are drained: another gateway may take the lock, once the record says so.
-    publish_writer(v);
-    release_shared_writer(v);
+    shared_.publish_writer(v);
+    shared_.release_writer(v);
   }
   Json out;
   bool idle = false;  // no live attachment of the volume is left here
@@ -355,7 +365,7 @@ Json Service::detach(const std::string& volume_id, const std::string& attachment
     Database::Transaction tx(db_);
     tx.update_attachment(a);
     if (was_writer) tx.update_volume(v);
-    out = attachment_json(a, v);
+    out = views_.attachment_json(a, v);
     const auto attachments = tx.attachments(volume_id);
     idle = std::none_of(attachments.begin(), attachments.end(),
                         [](const AttachmentRow& other) { return is_live(other.attach_status); });
@@ -372,7 +382,7 @@ Json Service::detach(const std::string& volume_id, const std::string& attachment
   journal_.clear(a.id);
   // Another gateway may delete the volume once no gateway has its image open; nothing here
   // is left to revoke.
-  if (idle && shared()) {
+  if (idle && records_ != nullptr) {
     volumes_.close(volume_id);
     records_->unwatch_attachments(volume_id);
   }
@@ -389,10 +399,10 @@ Json Service::detach(const std::string& volume_id, const std::string& attachment
 }
 
 Json Service::attachment_delete(const std::string& id) {
-  if (!known_here(id)) {
-    if (auto other = find_elsewhere(id)) return detach_elsewhere(other->first, id);
+  if (!known_here(db_, id)) {
+    if (auto other = shared_.find_elsewhere(id)) return shared_.detach_elsewhere(other->first, id);
   }
-  const std::string volume_id = volume_of(id);
+  const std::string volume_id = volume_of(db_, id);
   const VolumeLock lock = volumes_.lock(volume_id);
   return detach(volume_id, id);
 }
@@ -408,7 +418,7 @@ Json Service::volume_detach(const std::string& volume_id,
     for (auto& a : tx.attachments(volume_id)) {
       if (is_live(a.attach_status)) current.push_back(std::move(a));
     }
-    if (attachment_id && shared() && !tx.attachment(*attachment_id)) {
+    if (attachment_id && records_ != nullptr && !tx.attachment(*attachment_id)) {
       elsewhere = true;  // maybe another gateway's (detach_elsewhere says)
     } else if (attachment_id) {
       AttachmentRow a = find_attachment(tx, *attachment_id);
@@ -426,7 +436,7 @@ Json Service::volume_detach(const std::string& volume_id,
       attachment_id = current.front().id;
     }
   }
-  if (elsewhere) return detach_elsewhere(volume_id, *attachment_id);
+  if (elsewhere) return shared_.detach_elsewhere(volume_id, *attachment_id);
   return detach(volume_id, *attachment_id);
 }
 
@@ -444,29 +454,24 @@ Json Service::attachment_list(const std::string& volume_id) {
   }
   Json out = Json::array();
   for (const AttachmentRow& a : attachments)
-    out.push_back(attachment_json(a, volumes.at(a.volume_id)));
+    out.push_back(views_.attachment_json(a, volumes.at(a.volume_id)));
   // One volume's: the other gateways' live ones too, from its record (a list of them all
   // would read every volume's record).
-  if (!volume_id.empty() && shared()) {
+  if (!volume_id.empty() && records_ != nullptr) {
     for (const AttachmentRow& a : records_->elsewhere(volume_id)) {
-      out.push_back(attachment_view(a));
+      out.push_back(views_.attachment_view(a));
     }
   }
   return out;
 }
 
 Json Service::attachment_show(const std::string& id) {
-  if (!known_here(id)) {
-    if (auto other = find_elsewhere(id)) return std::move(other->second);
+  if (!known_here(db_, id)) {
+    if (auto other = shared_.find_elsewhere(id)) return std::move(other->second);
   }
   Database::Transaction tx(db_);
   AttachmentRow a = find_attachment(tx, id);
-  return attachment_json(a, find_volume(tx, a.volume_id));
-}
-
-bool Service::known_here(const std::string& attachment_id) {
-  Database::Transaction tx(db_);
-  return tx.attachment(attachment_id).has_value();
+  return views_.attachment_json(a, find_volume(tx, a.volume_id));
 }
 
 }  // namespace shareblk::control

@@ -1,5 +1,5 @@
-// The Service's setup, start-up recovery and lookups; the actions are in volumes.cc and
-// attachments.cc, the JSON views in views.cc.
+// The Service's setup, policy and the exports' resolution for the frontends; the actions are
+// in volumes.cc, attachments.cc, writers.cc and snapshots.cc.
 #include "control/service.h"
 
 #include <spdlog/spdlog.h>
@@ -19,8 +19,6 @@
 #include "text/iso_time.h"
 
 namespace shareblk::control {
-
-namespace {}  // namespace
 
 std::string random_hex(size_t bytes) {
   std::string raw(bytes, '\0');
@@ -88,7 +86,7 @@ Service::Service(const std::string& db_path, store::VolumeStore& store, Policy p
       volumes_(store),
       records_(gateways ? std::make_unique<GatewayRecords>(
                               *gateways, gateway_id(std::filesystem::path(db_path).parent_path()),
-                              [this](const std::string& id) { act_on_revocations(id); })
+                              [this](const std::string& id) { shared_.act_on_revocations(id); })
                         : nullptr),
       journal_((std::filesystem::path(db_path).parent_path() / "revocations").string()),
       policy_(std::move(policy)),
@@ -96,8 +94,17 @@ Service::Service(const std::string& db_path, store::VolumeStore& store, Policy p
   if (policy_.tls != target::TlsOptions::Mode::Off) {
     psk_ = PskKeys((std::filesystem::path(db_path).parent_path() / "tls-psk.secret").string());
   }
-  reconcile();
-  prune_shared();
+  Recovery({db_, journal_, exports_, volumes_, shared_, backing_}).run();
+  shared_.prune();
+}
+
+Service::~Service() {
+  // The revoker calls into shared_: it ends before any member goes.
+  if (records_) records_->stop();
+}
+
+Service::Counts Service::counts() const {
+  return {volumes_.lock_count(), jobs_.running(), exports_.subscriber_count()};
 }
 
 Policy Service::policy() const {
@@ -168,202 +175,6 @@ void Service::remount(const AttachmentRow& a, const VolumeRow& v) {
   spdlog::info("control: attachment {} mounted again at {}", a.id, mountpoint);
 }
 
-// At start-up, before anything is served: no connection survives a restart, so a detach that
-// was under way is done, whether the database or only the revocation journal knew of it; and
-// the store and the database are compared.
-void Service::reconcile() {
-  for (const std::string& id : journal_.pending()) {
-    try {
-      Database::Transaction tx(db_);
-      if (auto a = tx.attachment(id); a && is_live(a->attach_status)) {
-        a->attach_status = transition(a->id, a->attach_status, AttachEvent::Detach);
-        a->attach_status = transition(a->id, a->attach_status, AttachEvent::Finish);
-        a->detach_time = now_iso();
-        tx.update_attachment(*a);
-        tx.commit();
-        spdlog::info("control: attachment {} was revoked before the stop; now detached", id);
-      }
-      journal_.clear(id);
-    } catch (const std::exception& e) {
-      exports_.mark_revoked(id);  // refused all the same, until a start can record it
-      spdlog::error("control: attachment {} stays revoked but cannot be recorded detached: {}", id,
-                    e.what());
-    }
-  }
-  settle_journaled_writers();
-  finish_intents();
-  Database::Transaction tx(db_);
-  std::vector<std::pair<std::string, std::string>> known;
-  for (AttachmentRow a : tx.attachments()) {
-    if (is_detaching(a.attach_status)) {
-      a.attach_status = transition(a.id, a.attach_status, AttachEvent::Finish);
-      a.detach_time = now_iso();
-      tx.update_attachment(a);
-      spdlog::info("control: attachment {} was detaching at shutdown; now detached", a.id);
-    }
-  }
-  for (const VolumeRow& v : tx.volumes()) known.emplace_back(v.id, v.name);
-  for (const SnapshotRow& s : tx.snapshots()) known.emplace_back(s.id, "snapshot " + s.name);
-  std::set<std::string> deleting;  // finish_intents() started their deletes
-  for (const IntentRow& i : tx.intents()) {
-    if (i.action == IntentAction::Delete) deleting.insert(i.volume_id);
-  }
-  volumes_.reconcile(known, deleting);
-  load_write_access(tx);
-  tx.commit();
-}
-
-// A takeover that only the journal recorded (docs/fencing.md, "When the disk fails") happened:
-// its caller was told so. Lowest generation first, so that a volume's latest one stands.
-void Service::settle_journaled_writers() {
-  std::vector<RevocationJournal::Writer> writers = journal_.writers();
-  std::sort(writers.begin(), writers.end(),
-            [](const auto& x, const auto& y) { return x.generation < y.generation; });
-  for (const RevocationJournal::Writer& w : writers) {
-    std::optional<AttachmentRow> a;
-    std::optional<VolumeRow> v;
-    {
-      Database::Transaction tx(db_);
-      a = tx.attachment(w.attachment_id);
-      if (a) v = tx.volume(a->volume_id);
-    }
-    if (!a || !v || v->fencing_generation >= w.generation) {  // gone, or a later change stands
-      journal_.clear_writer(w.attachment_id, w.generation);
-      continue;
-    }
-    const std::string since =
-        iso8601_utc(std::chrono::system_clock::time_point(std::chrono::microseconds(w.since_us)));
-    const std::string previous = v->writer;
-    v->writer = a->id;
-    v->fencing_generation = w.generation;
-    v->writer_since = since;
-    try {
-      Database::Transaction tx(db_);
-      tx.update_volume(*v);
-      a->write_access_since = since;
-      tx.update_attachment(*a);
-      if (auto old = previous.empty() ? std::nullopt : tx.attachment(previous);
-          old && old->id != a->id) {
-        old->write_access_since.clear();
-        tx.update_attachment(*old);
-      }
-      tx.commit();
-      journal_.clear_writer(w.attachment_id, w.generation);
-      spdlog::info(
-          "control: volume {}: the takeover by attachment {} (generation {}) is recorded from "
-          "the revocation journal",
-          v->id, a->id, w.generation);
-    } catch (const std::exception& e) {
-      db_.set_pending_writer(v->id, {a->id, w.generation, since});
-      spdlog::error(
-          "control: volume {}: attachment {} stays the writer (generation {}) from the "
-          "revocation journal; the database cannot record it yet: {}",
-          v->id, a->id, w.generation, e.what());
-    }
-  }
-}
-
-// A create or delete that a crash interrupted: a create is rolled back (its caller never
-// learnt the volume's id, and its backing may be half made; or it was being filled from an
-// image, which cannot be trusted half done), a delete is finished (its caller asked for it, and
-// its backing may be half gone) on a job's thread, as volume_delete does. Removing backing is
-// harmless when it is already gone. A rollback that cannot be done now is kept for the next
-// start; a delete that fails shows status error.
-void Service::finish_intents() {
-  std::vector<IntentRow> intents;
-  {
-    Database::Transaction tx(db_);
-    intents = tx.intents();
-  }
-  for (IntentRow& i : intents) {
-    if (i.action == IntentAction::Delete) {
-      spdlog::info("control: the volume_delete of volume {} was interrupted; it is being finished",
-                   i.volume_id);
-      try {
-        start_delete(i.volume_id);
-      } catch (const std::exception&) {  // logged, and its status is error
-      }
-      continue;
-    }
-    std::optional<std::string> failed = roll_back_create(i.volume_id);
-    if (!failed) {
-      spdlog::info(
-          "control: the volume_create of volume {} was interrupted; rolled back (its backing "
-          "is removed)",
-          i.volume_id);
-      continue;
-    }
-    spdlog::error(
-        "control: the volume_create of volume {} was interrupted and cannot be rolled back "
-        "now ({}); the next start tries again",
-        i.volume_id, *failed);
-    try {
-      Database::Transaction tx(db_);
-      i.error = std::move(*failed);
-      tx.put_intent(i);
-      tx.commit();
-    } catch (const std::exception&) {  // the log has it
-    }
-  }
-}
-
-std::optional<std::string> Service::error_of(const std::optional<IntentRow>& intent,
-                                             const std::string& volume_id) {
-  if (intent && !intent->error.empty() && !jobs_.state(volume_id)) {
-    if (intent->action == IntentAction::Delete) {
-      return "a volume_delete of it failed (" + intent->error + "); delete it again";
-    }
-    return "filling it failed (" + intent->error + "); delete it";
-  }
-  if (intent) return std::nullopt;  // being deleted or filled (from an image or a copy)
-  return volumes_.missing(volume_id);
-}
-
-namespace {
-
-std::string refused(const char* what, const std::string& id, const char* use) {
-  return std::string(what) + " " + id + " cannot be " + use + ": ";
-}
-
-}  // namespace
-
-void Service::refuse_pending(Database::Transaction& tx, const char* what, const std::string& id,
-                             const char* use) {
-  const std::optional<IntentRow> intent = tx.intent(id);
-  if (!intent) return;
-  if (const std::optional<std::string> why = error_of(intent, id)) {
-    throw ApiError("volume_error", refused(what, id, use) + *why);
-  }
-  throw ApiError("volume_busy",
-                 refused(what, id, use) + "it is being " +
-                     (intent->action == IntentAction::Delete ? "deleted" : "filled"));
-}
-
-void Service::refuse_missing(const char* what, const std::string& id, uint64_t size,
-                             const char* use) {
-  if (const std::optional<std::string> why = volumes_.check(id, size)) {
-    throw ApiError("volume_error", refused(what, id, use) + *why);
-  }
-}
-
-// The volume an attachment belongs to, looked up before taking that volume's lock.
-std::string Service::volume_of(const std::string& attachment_id) {
-  Database::Transaction tx(db_);
-  return find_attachment(tx, attachment_id).volume_id;
-}
-
-VolumeRow Service::find_volume(Database::Transaction& tx, const std::string& id) {
-  auto v = tx.volume(id);
-  if (!v) throw ApiError("not_found", "no volume " + id);
-  return *v;
-}
-
-AttachmentRow Service::find_attachment(Database::Transaction& tx, const std::string& id) {
-  auto a = tx.attachment(id);
-  if (!a) throw ApiError("not_found", "no attachment " + id);
-  return *a;
-}
-
 Json Service::export_resolve(const std::string& name, const Caller& caller) {
   AttachmentRow a;
   VolumeRow v;
@@ -403,7 +214,7 @@ Json Service::export_resolve(const std::string& name, const Caller& caller) {
 }
 
 // Every decision is logged at info, by attachment id and peer (never the export name: it is
-// the credential), and counted.
+// the credential).
 target::ExportCatalog::Lookup Service::resolve(const std::string& export_name,
                                                const target::Peer& peer) {
   using Refusal = target::ExportCatalog::Refusal;
@@ -413,7 +224,6 @@ target::ExportCatalog::Lookup Service::resolve(const std::string& export_name,
     Database::Transaction tx(db_);
     auto found = tx.attachment_by_export(export_name);
     if (!found || !is_serving(found->attach_status) || exports_.is_revoked(found->id)) {
-      refused_unknown_.fetch_add(1, std::memory_order_relaxed);
       spdlog::info("nbd: refused {}: no live export of that name", describe(peer));
       return {std::nullopt, Refusal::Unknown};
     }
@@ -423,7 +233,6 @@ target::ExportCatalog::Lookup Service::resolve(const std::string& export_name,
   const Json connector = Json::parse(a.connector);
   const Admission admission = admit(connector, a.id, peer, policy());
   if (admission != Admission::Admitted) {
-    refused_by_binding_.fetch_add(1, std::memory_order_relaxed);
     spdlog::info("nbd: refused {} the export of attachment {}: {}", describe(peer), a.id,
                  to_string(admission));
     return {std::nullopt, refusal_of(admission)};
@@ -449,7 +258,6 @@ std::optional<std::string> Service::psk_key(const std::string& attachment_id) {
   if (!a || !is_serving(a->attach_status) || exports_.is_revoked(a->id) ||
       !has_psk(Json::parse(a->connector), policy())) {
     spdlog::info("nbd: refused a TLS-PSK identity that is no live TLS attachment");
-    refused_unknown_.fetch_add(1, std::memory_order_relaxed);
     return std::nullopt;
   }
   return psk_.key(a->id);

@@ -10,8 +10,13 @@
 #include <set>
 #include <thread>
 
+#include "control/shared_store.h"
+
+#include "control/gateway_records.h"
 #include "control/service.h"
 #include "control/small_file.h"
+#include "control/views.h"
+#include "control/volume_registry.h"
 
 namespace shareblk::control {
 
@@ -66,8 +71,9 @@ std::string gateway_id(const std::filesystem::path& state_dir) {
   return id;
 }
 
-void Service::publish(const VolumeRow& v) {
-  if (shared()) records_->save_definition(v.id, DefinitionPart::Volume, definition_of(v));
+void SharedStore::publish(const VolumeRow& v) {
+  if (records_ != nullptr)
+    records_->save_definition(v.id, DefinitionPart::Volume, definition_of(v));
 }
 
 // Who was made the writer last, on whichever gateway, and the lock holder (a client instance
@@ -75,8 +81,8 @@ void Service::publish(const VolumeRow& v) {
 // taken over while it was down or hung; one that finds its own writer on record and the lock
 // still with that holder has crashed holding it (reclaim_shared_writer). Only the gateway
 // that holds or has just given up the lock writes it.
-void Service::publish_writer(const VolumeRow& v) {
-  if (!shared() || v.writer_policy != WriterPolicy::Single) return;
+void SharedStore::publish_writer(const VolumeRow& v) {
+  if (!single_writer_shared(v)) return;
   try {
     std::string holder;
     if (!v.writer.empty()) {
@@ -93,7 +99,7 @@ void Service::publish_writer(const VolumeRow& v) {
   }
 }
 
-void Service::republish(const VolumeRow& v) {
+void SharedStore::republish(const VolumeRow& v) {
   try {
     publish(v);
   } catch (const ApiError& e) {
@@ -102,8 +108,8 @@ void Service::republish(const VolumeRow& v) {
   }
 }
 
-void Service::learn_volume(const std::string& id) {
-  if (!shared()) return;
+void SharedStore::learn_volume(const std::string& id) {
+  if (records_ == nullptr) return;
   {
     Database::Transaction tx(db_);
     if (tx.volume(id) || tx.snapshot(id)) return;
@@ -125,8 +131,8 @@ void Service::learn_volume(const std::string& id) {
                printable(v->name));
 }
 
-bool Service::claim_shared_writer(const VolumeRow& v) {
-  if (!shared() || v.writer_policy != WriterPolicy::Single) return true;
+bool SharedStore::claim_writer(const VolumeRow& v) {
+  if (!single_writer_shared(v)) return true;
   const int err = records_->claim_writer(volumes_.open(v.id, v.size), v.id);
   if (err == EBUSY) {
     spdlog::info("control: volume {}: another gateway holds its writer lock", v.id);
@@ -139,8 +145,8 @@ bool Service::claim_shared_writer(const VolumeRow& v) {
   return true;
 }
 
-std::string Service::fence_shared_writer(const VolumeRow& v) {
-  if (!shared() || v.writer_policy != WriterPolicy::Single) return "";
+std::string SharedStore::fence_writer(const VolumeRow& v) {
+  if (!single_writer_shared(v)) return "";
   std::string fenced;
   if (const int err = records_->fence_writer(volumes_.open(v.id, v.size), v.id, fenced, "")) {
     throw ApiError("internal", "volume " + v.id +
@@ -155,14 +161,14 @@ std::string Service::fence_shared_writer(const VolumeRow& v) {
   return fenced;
 }
 
-bool Service::reclaim_shared_writer(Database::Transaction& tx, VolumeRow& v) {
-  if (!shared() || v.writer_policy != WriterPolicy::Single) return true;
+bool SharedStore::reclaim_writer(Database::Transaction& tx, VolumeRow& v) {
+  if (!single_writer_shared(v)) return true;
   try {
     // The lock may be free again (the new writer detached): the record still tells.
     const std::optional<std::string> text = records_->load_definition(v.id, DefinitionPart::Writer);
     const Json d = text ? Json::parse(*text, nullptr, false) : Json();
     const bool taken_over = d.is_object() && d.contains("writer") && d["writer"] != v.writer;
-    if (!taken_over && claim_shared_writer(v)) {
+    if (!taken_over && claim_writer(v)) {
       publish_writer(v);  // held by this run's client now
       return true;
     }
@@ -201,21 +207,21 @@ bool Service::reclaim_shared_writer(Database::Transaction& tx, VolumeRow& v) {
   }
 }
 
-void Service::release_shared_writer(const VolumeRow& v) {
-  if (!shared() || v.writer_policy != WriterPolicy::Single) return;
+void SharedStore::release_writer(const VolumeRow& v) {
+  if (!single_writer_shared(v)) return;
   records_->release_writer(volumes_.open(v.id, v.size));  // only logs: nothing held if not open
 }
 
-std::optional<std::pair<std::string, Json>> Service::find_elsewhere(
+std::optional<std::pair<std::string, Json>> SharedStore::find_elsewhere(
     const std::string& attachment_id) {
-  if (!shared()) return std::nullopt;
+  if (records_ == nullptr) return std::nullopt;
   const std::optional<AttachmentRow> row = records_->find_elsewhere(attachment_id);
   if (!row) return std::nullopt;
-  return std::pair(row->volume_id, attachment_view(*row));
+  return std::pair(row->volume_id, views_.attachment_view(*row));
 }
 
-void Service::prune_shared() {
-  if (!shared()) return;
+void SharedStore::prune() {
+  if (records_ == nullptr) return;
   std::vector<std::pair<std::string, std::vector<std::string>>> stale;  // volume, attachments
   std::vector<std::string> served;  // volumes with live attachments here
   {
@@ -259,7 +265,7 @@ void Service::prune_shared() {
   }
 }
 
-void Service::act_on_revocations(const std::string& volume_id) {
+void SharedStore::act_on_revocations(const std::string& volume_id) {
   for (const auto& [id, by] : records_->revoked_here(volume_id)) {
     const VolumeLock lock = volumes_.lock(volume_id);
     std::optional<AttachmentRow> a;
@@ -269,14 +275,14 @@ void Service::act_on_revocations(const std::string& volume_id) {
     }
     if (a && a->volume_id == volume_id && is_live(a->attach_status)) {
       spdlog::info("control: attachment {} of volume {}: revoked by gateway {}", id, volume_id, by);
-      detach(volume_id, id);  // takes it out of the record too
+      detach_(volume_id, id);  // takes it out of the record too
     } else {
       records_->remove_attachment(volume_id, id);
     }
   }
 }
 
-Json Service::detach_elsewhere(const std::string& volume_id, const std::string& attachment_id) {
+Json SharedStore::detach_elsewhere(const std::string& volume_id, const std::string& attachment_id) {
   const std::string gateway = records_->revoke_elsewhere(volume_id, attachment_id);
   return Json{{"id", attachment_id},
               {"volume_id", volume_id},
@@ -284,9 +290,8 @@ Json Service::detach_elsewhere(const std::string& volume_id, const std::string& 
               {"gateway", gateway}};
 }
 
-Service::~Service() {
-  // The revoker calls into this object: it ends before any member goes.
-  if (records_) records_->stop();
+bool SharedStore::single_writer_shared(const VolumeRow& v) const {
+  return records_ != nullptr && v.writer_policy == WriterPolicy::Single;
 }
 
 }  // namespace shareblk::control

@@ -6,26 +6,16 @@
 
 namespace shareblk::control {
 
-CopyHolds::Accesses Service::write_accesses(const std::vector<AttachmentRow>& attachments) {
+CopyHolds::Accesses live_write_accesses(const ExportRegistry& exports,
+                                        const std::vector<AttachmentRow>& attachments) {
   CopyHolds::Accesses accesses;
   for (const AttachmentRow& a : attachments) {
     if (!is_live(a.attach_status)) continue;
-    if (std::shared_ptr<backend::WriteAccess> access = exports_.write_access(a.id)) {
+    if (std::shared_ptr<backend::WriteAccess> access = exports.write_access(a.id)) {
       accesses.push_back(std::move(access));
     }
   }
   return accesses;
-}
-
-Service::Populate Service::copy_job(const std::string& from, uint64_t length, const std::string& to,
-                                    uint64_t size, std::shared_ptr<void> held) {
-  return [this, from, length, to, size, held = std::move(held)](const store::Progress& p) mutable {
-    struct Release {
-      std::shared_ptr<void>& held;
-      ~Release() { held.reset(); }
-    } release{held};
-    volumes_.copy(from, length, to, size, p);
-  };
 }
 
 // The intent and the row go in one transaction before the store is touched; the copy holds the
@@ -40,13 +30,13 @@ Json Service::snapshot_create(const std::string& volume_id, const std::string& n
     {
       Database::Transaction tx(db_);
       const VolumeRow v = find_volume(tx, volume_id);
-      refuse_unusable(tx, v, "snapshotted");
+      checks_.refuse_unusable(tx, v, "snapshotted");
       s.size = v.size;
       attachments = tx.attachments(v.id);
     }
     // Outside the transaction: the pause waits for the writes in flight, and other volumes'
     // calls need the database meanwhile.
-    held = copies_.hold_for_copy(volume_id, write_accesses(attachments));
+    held = copies_.hold_for_copy(volume_id, live_write_accesses(exports_, attachments));
     Database::Transaction tx(db_);
     tx.put_intent({s.id, IntentAction::Create, "", s.created_at});
     tx.insert_snapshot(s);
@@ -55,10 +45,10 @@ Json Service::snapshot_create(const std::string& volume_id, const std::string& n
   crash_point("snapshot_create:recorded");
   spdlog::info("control: snapshot {} ({}) of volume {}: copying {} bytes", s.id, printable(s.name),
                volume_id, s.size);
-  start_populate(s.id, s.created_at, "volume " + volume_id,
-                 copy_job(volume_id, s.size, s.id, s.size, std::move(held)));
+  backing_.start_populate(s.id, s.created_at, "volume " + volume_id,
+                          backing_.copy_job(volume_id, s.size, s.id, s.size, std::move(held)));
   Database::Transaction tx(db_);
-  return snapshot_json(s, tx.intent(s.id));
+  return views_.snapshot_json(s, tx.intent(s.id));
 }
 
 Json Service::snapshot_list(const std::string& volume_id) {
@@ -73,7 +63,8 @@ Json Service::snapshot_list(const std::string& volume_id) {
   Json out = Json::array();
   for (const SnapshotRow& s : rows) {
     auto i = intents.find(s.id);
-    out.push_back(snapshot_json(s, i == intents.end() ? std::nullopt : std::optional(i->second)));
+    out.push_back(
+        views_.snapshot_json(s, i == intents.end() ? std::nullopt : std::optional(i->second)));
   }
   return out;
 }
@@ -82,7 +73,7 @@ Json Service::snapshot_show(const std::string& id) {
   Database::Transaction tx(db_);
   const std::optional<SnapshotRow> s = tx.snapshot(id);
   if (!s) throw ApiError("not_found", "no snapshot " + id);
-  return snapshot_json(*s, tx.intent(id));
+  return views_.snapshot_json(*s, tx.intent(id));
 }
 
 // As volume_delete: the intent first, then the store's part on a job, then the row.
@@ -105,33 +96,15 @@ Json Service::snapshot_delete(const std::string& id, bool wait) {
       tx.commit();
     }
   }
-  start_delete(id);
+  backing_.start_delete(id);
   if (!wait) return Json{{"id", id}, {"status", api::to_string(api::VolumeStatus::Deleting)}};
   if (std::optional<ApiError> failure = jobs_.wait(id)) throw *failure;
   Database::Transaction tx(db_);
   if (tx.snapshot(id)) {
     throw ApiError("internal", "snapshot " + id + " is not deleted: " +
-                                   error_of(tx.intent(id), id).value_or("(no reason)"));
+                                   checks_.error_of(tx.intent(id), id).value_or("(no reason)"));
   }
   return Json{{"id", id}, {"deleted", true}};
-}
-
-Json Service::snapshot_json(const SnapshotRow& s, const std::optional<IntentRow>& intent) {
-  const std::optional<std::string> error = error_of(intent, s.id);
-  const api::VolumeStatus status = derive_status(error.has_value(), intent, {});
-  Json progress = nullptr;
-  if (api::is_job_running(status)) {
-    const std::optional<VolumeJobs::State> job = jobs_.state(s.id);
-    progress = job ? job->percent : 0;
-  }
-  return Json{{"id", s.id},
-              {"volume_id", s.volume_id},
-              {"name", s.name},
-              {"size", s.size},
-              {"status", api::to_string(status)},
-              {"status_reason", error ? Json(*error) : Json(nullptr)},
-              {"progress", progress},
-              {"created_at", s.created_at}};
 }
 
 }  // namespace shareblk::control

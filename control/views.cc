@@ -1,6 +1,14 @@
 // What the API shows of volumes and attachments (docs/api.md, "Objects").
+#include "control/views.h"
+
 #include "control/admission.h"
+#include "control/export_registry.h"
+#include "control/gateway_records.h"
+#include "control/psk_keys.h"
+#include "control/qos.h"
 #include "control/service.h"
+#include "control/volume_checks.h"
+#include "control/volume_jobs.h"
 
 namespace shareblk::control {
 
@@ -26,7 +34,8 @@ api::VolumeStatus derive_status(bool error, const std::optional<IntentRow>& inte
   return VolumeStatus::Available;
 }
 
-Json Service::connection_info(const AttachmentRow& a, const VolumeRow& v, const Json& connector) {
+Json Views::connection_info(const AttachmentRow& a, const VolumeRow& v,
+                            const Json& connector) const {
   if (!is_serving(a.attach_status) || connector.is_null()) return nullptr;
   const std::string transport = connector.value("transport", "tcp");
   const std::string mode(to_string(a.mode));
@@ -40,21 +49,22 @@ Json Service::connection_info(const AttachmentRow& a, const VolumeRow& v, const 
   }
   // A TLS-only attachment: nbds URIs, and its PSK (the identity as the URI's user, as libnbd
   // reads it), the way Cinder hands out CHAP credentials.
-  const bool tls = tls_only(connector, policy());
-  const bool psk = has_psk(connector, policy());
+  const Policy policy = s_.policy();
+  const bool tls = tls_only(connector, policy);
+  const bool psk = has_psk(connector, policy);
   const std::string user = psk ? a.id + "@" : "";
   std::string uri;
   if (transport == "unix") {
     uri = (tls ? "nbds+unix://" : "nbd+unix://") + user + "/" + a.export_name +
-          "?socket=" + endpoints_.unix_socket;
+          "?socket=" + s_.endpoints.unix_socket;
   } else {
-    uri = (tls ? "nbds://" : "nbd://") + user + endpoints_.tcp + "/" + a.export_name;
+    uri = (tls ? "nbds://" : "nbd://") + user + s_.endpoints.tcp + "/" + a.export_name;
   }
   Json data = {{"export_name", a.export_name}, {"uri", uri},     {"access_mode", mode},
                {"shareable", v.multiattach},   {"size", v.size}, {"tls", tls}};
   if (psk) {
     data["tls_psk_identity"] = a.id;
-    data["tls_psk_key"] = PskKeys::hex(psk_.key(a.id));
+    data["tls_psk_key"] = PskKeys::hex(s_.psk.key(a.id));
   }
   return Json{{"driver_volume_type", "nbd"}, {"data", data}};
 }
@@ -65,12 +75,12 @@ Json or_null(const std::string& s) {
 }
 }  // namespace
 
-Json Service::attachment_view(const AttachmentRow& a) const {
+Json Views::attachment_view(const AttachmentRow& a) const {
   Json gateway = nullptr;  // a store of one gateway names none
   if (!a.gateway.empty()) {
     gateway = a.gateway;
-  } else if (shared()) {
-    gateway = records_->gateway_id();
+  } else if (s_.records != nullptr) {
+    gateway = s_.records->gateway_id();
   }
   return Json{{"id", a.id},
               {"volume_id", a.volume_id},
@@ -89,15 +99,15 @@ Json Service::attachment_view(const AttachmentRow& a) const {
               {"qos", nullptr}};
 }
 
-Json Service::attachment_json(const AttachmentRow& a, const VolumeRow& v) {
+Json Views::attachment_json(const AttachmentRow& a, const VolumeRow& v) const {
   Json out = attachment_view(a);
   Json connector = a.connector.empty() ? Json(nullptr) : Json::parse(a.connector);
   out["connection_info"] = connection_info(a, v, connector);
   out["connector"] = std::move(connector);
-  out["connections"] = exports_.connections(a.id);
+  out["connections"] = s_.exports.connections(a.id);
   // What its connections can do: a revocation the database could not record yet counts, and
   // a writer only the journal holds (docs/fencing.md) shows when it became one.
-  const bool writes = may_write(a, v) && !exports_.is_revoked(a.id);
+  const bool writes = may_write(a, v) && !s_.exports.is_revoked(a.id);
   std::string since = writes ? a.write_access_since : std::string();
   if (writes && since.empty() && v.writer == a.id) since = v.writer_since;
   out["write_access"] = writes;
@@ -106,25 +116,20 @@ Json Service::attachment_json(const AttachmentRow& a, const VolumeRow& v) {
   return out;
 }
 
-Json Service::volume_json(Database::Transaction& tx, const VolumeRow& v) {
+Json Views::volume_json(Database::Transaction& tx, const VolumeRow& v) const {
   return volume_json(v, tx.attachments(v.id), tx.intent(v.id));
 }
 
-Json Service::volume_json(const VolumeRow& v, const std::vector<AttachmentRow>& all,
-                          const std::optional<IntentRow>& intent) {
+Json Views::volume_json(const VolumeRow& v, const std::vector<AttachmentRow>& all,
+                        const std::optional<IntentRow>& intent) const {
   Json attachments = Json::array();
   for (const auto& a : all) {
     if (is_live(a.attach_status)) attachments.push_back(attachment_json(a, v));
   }
   // A volume that cannot be attached says so, whatever its attachments' states: it is being
   // deleted or filled (with how far that has come), or its status is error.
-  const std::optional<std::string> error = error_of(intent, v.id);
+  const std::optional<std::string> error = s_.checks.error_of(intent, v.id);
   const api::VolumeStatus status = derive_status(error.has_value(), intent, all);
-  Json progress = nullptr;
-  if (api::is_job_running(status)) {
-    const std::optional<VolumeJobs::State> job = jobs_.state(v.id);
-    progress = job ? job->percent : 0;
-  }
   return Json{{"id", v.id},
               {"name", v.name},
               {"size", v.size},
@@ -132,7 +137,7 @@ Json Service::volume_json(const VolumeRow& v, const std::vector<AttachmentRow>& 
               {"bootable", v.bootable},
               {"status", api::to_string(status)},
               {"status_reason", error ? Json(*error) : Json(nullptr)},
-              {"progress", progress},
+              {"progress", progress(status, v.id)},
               {"created_at", v.created_at},
               {"writer_policy", to_string(v.writer_policy)},
               {"writer", v.writer.empty() ? Json(nullptr) : Json(v.writer)},
@@ -140,6 +145,25 @@ Json Service::volume_json(const VolumeRow& v, const std::vector<AttachmentRow>& 
               {"writer_since", v.writer_since.empty() ? Json(nullptr) : Json(v.writer_since)},
               {"qos", qos_json(qos_from_text(v.qos))},
               {"attachments", std::move(attachments)}};
+}
+
+Json Views::progress(api::VolumeStatus status, const std::string& id) const {
+  if (!api::is_job_running(status)) return nullptr;
+  const std::optional<VolumeJobs::State> job = s_.jobs.state(id);
+  return job ? job->percent : 0;
+}
+
+Json Views::snapshot_json(const SnapshotRow& s, const std::optional<IntentRow>& intent) const {
+  const std::optional<std::string> error = s_.checks.error_of(intent, s.id);
+  const api::VolumeStatus status = derive_status(error.has_value(), intent, {});
+  return Json{{"id", s.id},
+              {"volume_id", s.volume_id},
+              {"name", s.name},
+              {"size", s.size},
+              {"status", api::to_string(status)},
+              {"status_reason", error ? Json(*error) : Json(nullptr)},
+              {"progress", progress(status, s.id)},
+              {"created_at", s.created_at}};
 }
 
 }  // namespace shareblk::control

@@ -46,20 +46,6 @@ store::ImageInfo inspect(const store::ImageSource& image) {
 
 }  // namespace
 
-std::optional<std::string> Service::roll_back_create(const std::string& id) {
-  try {
-    volumes_.remove(id);
-    Database::Transaction tx(db_);
-    tx.delete_volume(id);    // a fill's row, if any
-    tx.delete_snapshot(id);  // or a snapshot's
-    tx.delete_intent(id);
-    tx.commit();
-    return std::nullopt;
-  } catch (const std::exception& e) {
-    return e.what();
-  }
-}
-
 // An intent is recorded before the store is touched and removed in the transaction that adds
 // the row, so that a crash at any point leaves either a whole volume or an intent that the next
 // start rolls back (docs/state.md, "Creates and deletes"). A volume that starts as a copy (of an
@@ -92,7 +78,7 @@ Json Service::volume_create(const VolumeSpec& spec) {
     Database::Transaction tx(db_);
     const std::optional<SnapshotRow> snap = tx.snapshot(spec.from_snapshot);
     if (!snap) throw ApiError("not_found", "no snapshot " + spec.from_snapshot);
-    refuse_unusable(tx, "snapshot", snap->id, snap->size, "copied");
+    checks_.refuse_unusable(tx, "snapshot", snap->id, snap->size, "copied");
     source_size = snap->size;
   } else if (!spec.from_volume.empty()) {
     const VolumeLock lock = volumes_.lock(spec.from_volume);
@@ -100,11 +86,11 @@ Json Service::volume_create(const VolumeSpec& spec) {
     {
       Database::Transaction tx(db_);
       const VolumeRow source = find_volume(tx, spec.from_volume);
-      refuse_unusable(tx, source, "copied");
+      checks_.refuse_unusable(tx, source, "copied");
       source_size = source.size;
       attachments = tx.attachments(source.id);
     }
-    held = copies_.hold_for_copy(spec.from_volume, write_accesses(attachments));
+    held = copies_.hold_for_copy(spec.from_volume, live_write_accesses(exports_, attachments));
   }
   const uint64_t size = spec.size == 0 ? source_size : spec.size;
   if (size < source_size) {
@@ -116,7 +102,7 @@ Json Service::volume_create(const VolumeSpec& spec) {
   v.writer_policy = spec.writer_policy;
   v.qos = qos_text(spec.qos);
   const bool copies = source_size != 0;
-  Populate work;  // what the copy's job does
+  BackingJobs::Populate work;  // what the copy's job does
   std::string what;
   if (!spec.from_image.empty()) {
     what = "image " + printable(spec.from_image);
@@ -126,7 +112,7 @@ Json Service::volume_create(const VolumeSpec& spec) {
     const bool snapshot = !spec.from_snapshot.empty();
     const std::string from = snapshot ? spec.from_snapshot : spec.from_volume;
     what = (snapshot ? "snapshot " : "volume ") + from;
-    work = copy_job(from, source_size, v.id, size, std::move(held));
+    work = backing_.copy_job(from, source_size, v.id, size, std::move(held));
   }
   {
     Database::Transaction tx(db_);
@@ -138,7 +124,7 @@ Json Service::volume_create(const VolumeSpec& spec) {
   try {
     // A copy makes its backing itself (a reflink makes it whole at once).
     if (!copies || !spec.from_image.empty()) volumes_.create(v.id, v.size);
-    if (!copies) publish(v);  // a copy's is saved once its bytes are in (populate)
+    if (!copies) shared_.publish(v);  // a copy's is saved once its bytes are in (populate)
   } catch (...) {
     roll_backs_.run_or_keep(v.id);
     throw;
@@ -148,7 +134,7 @@ Json Service::volume_create(const VolumeSpec& spec) {
     Database::Transaction tx(db_);
     tx.insert_volume(v);
     if (!copies) tx.delete_intent(v.id);
-    Json out = volume_json(tx, v);
+    Json out = views_.volume_json(tx, v);
     tx.commit();
     spdlog::info("control: created volume {} ({}, {} bytes{})", v.id, printable(v.name), v.size,
                  copies ? ", copying from " + what : "");
@@ -157,69 +143,9 @@ Json Service::volume_create(const VolumeSpec& spec) {
     roll_backs_.run_or_keep(v.id);
     throw;
   }
-  start_populate(v.id, v.created_at, what, std::move(work));
+  backing_.start_populate(v.id, v.created_at, what, std::move(work));
   Database::Transaction tx(db_);
-  return volume_json(tx, v);
-}
-
-void Service::start_populate(const std::string& id, const std::string& created_at,
-                             const std::string& what, Populate work) {
-  try {
-    jobs_.start(id, VolumeJobs::Kind::Fill,
-                [this, id, created_at, what, work = std::move(work)](const store::Progress& p) {
-                  return populate(id, created_at, what, work, p);
-                });
-  } catch (const std::exception& e) {  // no thread for it: status error, to delete
-    spdlog::error("control: cannot start copying {} into {}: {}", what, id, e.what());
-    Database::Transaction tx(db_);
-    tx.put_intent({id, IntentAction::Create, std::string("cannot start: ") + e.what(), created_at});
-    tx.commit();
-  }
-}
-
-// A copy that fails keeps the intent with its error: the volume or snapshot shows status error,
-// to be deleted. One that a stop interrupts is rolled back by the next start, like any create.
-std::optional<ApiError> Service::populate(const std::string& id, const std::string& created_at,
-                                          const std::string& what, const Populate& work,
-                                          const store::Progress& progress) {
-  const store::Progress paced = [&progress](uint64_t done, uint64_t total) {
-    test_pause();
-    return progress(done, total);
-  };
-  try {
-    work(paced);
-    crash_point("volume_create:filled");
-    const VolumeLock lock = volumes_.lock(id);
-    std::optional<VolumeRow> v;
-    {
-      Database::Transaction tx(db_);
-      v = tx.volume(id);
-    }
-    if (v) publish(*v);  // before the intent goes: a crash between is finished at start
-    Database::Transaction tx(db_);
-    tx.delete_intent(id);
-    tx.commit();
-    spdlog::info("control: {} holds its copy of {}", id, what);
-    return std::nullopt;
-  } catch (const std::exception& e) {
-    if (jobs_.stopping()) {
-      spdlog::warn(
-          "control: copying {} into {} stopped with the daemon; the next start rolls it "
-          "back",
-          what, id);
-      return ApiError("internal", "the daemon stopped");
-    }
-    spdlog::error("control: cannot copy {} into {}: {}", what, id, e.what());
-    try {
-      Database::Transaction tx(db_);
-      tx.put_intent({id, IntentAction::Create, e.what(), created_at});
-      tx.commit();
-    } catch (const std::exception& db) {
-      spdlog::error("control: {}: cannot record why its copy failed: {}", id, db.what());
-    }
-    const auto* api = dynamic_cast<const ApiError*>(&e);
-    return api != nullptr ? *api : ApiError("internal", e.what());
-  }
+  return views_.volume_json(tx, v);
 }
 
 Json Service::volume_list() {
@@ -237,8 +163,8 @@ Json Service::volume_list() {
   for (const VolumeRow& v : volumes) {
     auto a = attachments.find(v.id);
     auto i = intents.find(v.id);
-    out.push_back(volume_json(v, a == attachments.end() ? none : a->second,
-                              i == intents.end() ? std::nullopt : std::optional(i->second)));
+    out.push_back(views_.volume_json(v, a == attachments.end() ? none : a->second,
+                                     i == intents.end() ? std::nullopt : std::optional(i->second)));
   }
   return out;
 }
@@ -247,9 +173,9 @@ Json Service::volume_show(const std::string& id) {
   Json out;
   {
     Database::Transaction tx(db_);
-    out = volume_json(tx, find_volume(tx, id));
+    out = views_.volume_json(tx, find_volume(tx, id));
   }
-  if (shared()) {  // read after the transaction: other calls need not wait for it
+  if (records_ != nullptr) {  // read after the transaction: other calls need not wait for it
     Json others = Json::array();
     GatewayRecords::Attachments shared;
     try {
@@ -260,7 +186,7 @@ Json Service::volume_show(const std::string& id) {
       return out;
     }
     for (const AttachmentRow& a : records_->elsewhere(id, shared)) {
-      others.push_back(attachment_view(a));
+      others.push_back(views_.attachment_view(a));
     }
     out["attachments_elsewhere"] = std::move(others);
   }
@@ -278,7 +204,7 @@ Json Service::volume_delete(const std::string& id, bool wait) {
     const VolumeLock lock = volumes_.lock(id);
     // Before the transaction: the cluster may keep it waiting (none for other stores).
     const std::vector<AttachmentRow> others =
-        shared() ? records_->elsewhere(id) : std::vector<AttachmentRow>{};
+        records_ != nullptr ? records_->elsewhere(id) : std::vector<AttachmentRow>{};
     Database::Transaction tx(db_);
     find_volume(tx, id);
     const std::optional<IntentRow> intent = tx.intent(id);
@@ -310,80 +236,15 @@ Json Service::volume_delete(const std::string& id, bool wait) {
     }
   }
   crash_point("volume_delete:intent");
-  start_delete(id);
+  backing_.start_delete(id);
   if (!wait) return Json{{"id", id}, {"status", api::to_string(api::VolumeStatus::Deleting)}};
   if (std::optional<ApiError> failure = jobs_.wait(id)) throw *failure;
   Database::Transaction tx(db_);
   if (tx.volume(id)) {  // another job's, which we did not see fail
     throw ApiError("internal", "volume " + id + " is not deleted: " +
-                                   error_of(tx.intent(id), id).value_or("(no reason)"));
+                                   checks_.error_of(tx.intent(id), id).value_or("(no reason)"));
   }
   return Json{{"id", id}, {"deleted", true}};
-}
-
-void Service::start_delete(const std::string& id) {
-  try {
-    jobs_.start(id, VolumeJobs::Kind::Delete, [this, id](const store::Progress& progress) {
-      return finish_delete(id, progress);
-    });
-  } catch (const std::system_error& e) {  // no thread for it: status error, to delete again
-    spdlog::error("control: cannot start deleting volume {}: {}", id, e.what());
-    Database::Transaction tx(db_);
-    tx.put_intent({id, IntentAction::Delete, std::string("cannot start: ") + e.what(), now_iso()});
-    tx.commit();
-    throw ApiError("internal", std::string("cannot start the delete: ") + e.what());
-  }
-}
-
-std::optional<ApiError> Service::finish_delete(const std::string& id,
-                                               const store::Progress& progress) {
-  const store::Progress paced = [&progress](uint64_t done, uint64_t total) {
-    if (done > 0 && done < total) crash_point("volume_delete:zeroing");
-    test_pause();
-    return progress(done, total);
-  };
-  try {
-    volumes_.remove(id, paced);
-  } catch (const ApiError& e) {
-    if (jobs_.stopping()) {
-      spdlog::warn(
-          "control: deleting volume {} stopped with the daemon; the next start "
-          "finishes it",
-          id);
-      return ApiError("internal", "the daemon stopped");
-    }
-    spdlog::error("control: cannot delete volume {}: {}", id, e.what());
-    try {
-      Database::Transaction tx(db_);
-      tx.put_intent({id, IntentAction::Delete, e.what(), now_iso()});
-      tx.commit();
-    } catch (const std::exception& db) {  // the intent stays, without the store's words
-      spdlog::error("control: volume {}: cannot record why its delete failed: {}", id, db.what());
-    }
-    return e;
-  }
-  crash_point("volume_delete:removed");
-  try {
-    const VolumeLock lock = volumes_.lock(id);
-    Database::Transaction tx(db_);
-    tx.delete_volume(id);
-    tx.delete_snapshot(id);  // the id is a volume's or a snapshot's
-    tx.delete_intent(id);
-    tx.commit();
-  } catch (const std::exception& e) {  // the intent stays: the next start finishes it
-    spdlog::error("control: {}: backing removed, but the row stays: {}", id, e.what());
-    return ApiError("internal", e.what());
-  }
-  spdlog::info("control: deleted {}", id);
-  return std::nullopt;
-}
-
-void Service::refuse_busy(Database::Transaction& tx, const VolumeRow& v, const char* what) {
-  const std::optional<IntentRow> intent = tx.intent(v.id);
-  if (!intent || error_of(intent, v.id)) return;
-  throw ApiError("volume_busy",
-                 std::string("volume ") + v.id + " cannot " + what + " while it is being " +
-                     (intent->action == IntentAction::Delete ? "deleted" : "filled"));
 }
 
 Json Service::volume_extend(const std::string& id, uint64_t size) {
@@ -392,7 +253,7 @@ Json Service::volume_extend(const std::string& id, uint64_t size) {
   {
     Database::Transaction tx(db_);
     v = find_volume(tx, id);
-    refuse_busy(tx, v, "grow");
+    checks_.refuse_busy(tx, v, "grow");
   }
   if (size <= v.size) {
     invalid("a volume only grows: " + std::to_string(size) + " <= " + std::to_string(v.size));
@@ -401,10 +262,10 @@ Json Service::volume_extend(const std::string& id, uint64_t size) {
   Database::Transaction tx(db_);
   v.size = size;
   tx.update_volume(v);
-  Json out = volume_json(tx, v);
+  Json out = views_.volume_json(tx, v);
   tx.commit();
   volumes_.refresh(id, size);
-  republish(v);
+  shared_.republish(v);
   return out;
 }
 
@@ -412,7 +273,7 @@ Json Service::volume_update(const VolumeChange& change) {
   const VolumeLock lock = volumes_.lock(change.id);
   Database::Transaction tx(db_);
   VolumeRow v = find_volume(tx, change.id);
-  refuse_busy(tx, v, "change");
+  checks_.refuse_busy(tx, v, "change");
   const Json& p = *change.params;
   if (auto name = opt_string(p, "name")) {
     if (name->empty() || name->size() > kMaxVolumeName) invalid("name must be 1 to 255 bytes");
@@ -458,11 +319,11 @@ Json Service::volume_update(const VolumeChange& change) {
     v.qos = qos_text(*qos);
   }
   tx.update_volume(v);
-  Json out = volume_json(tx, v);
+  Json out = views_.volume_json(tx, v);
   tx.commit();
   // Every attachment's connections take it from their next request on.
   if (qos) qos_.set_volume(v.id, *qos);
-  republish(v);
+  shared_.republish(v);
   return out;
 }
 

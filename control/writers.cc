@@ -1,8 +1,8 @@
-// Who may write (docs/fencing.md): a single-writer volume's takeover, live mode changes, and the
-// write-access gates at start. Every change holds the volume's lock. Taking write access away
-// acts in memory first (the gate is closed and drained, nbdkit told) and is recorded after;
-// giving it is recorded first and acts after, so that neither a crash nor a full disk can leave
-// two attachments able to write.
+// Who may write (docs/fencing.md): a single-writer volume's takeover and live mode changes (the
+// write-access gates at start are Recovery's). Every change holds the volume's lock. Taking write
+// access away acts in memory first (the gate is closed and drained, nbdkit told) and is recorded
+// after; giving it is recorded first and acts after, so that neither a crash nor a full disk can
+// leave two attachments able to write.
 #include <spdlog/spdlog.h>
 
 #include <chrono>
@@ -13,6 +13,37 @@
 
 namespace shareblk::control {
 
+namespace {
+
+// The errno of a flush of everything the volume acknowledged (0 when it succeeded).
+int try_flush(VolumeRegistry& volumes, const VolumeRow& v) {
+  if (const int err = test_flush_error(); err != 0) return err;
+  auto volume = volumes.open(v.id, v.size);
+  return volume ? backend::Handle(volume, backend::AttachMode::ReadOnly).flush() : EIO;
+}
+
+// The same; throws ApiError (internal) saying `why` it was flushed.
+void flush_volume(VolumeRegistry& volumes, const VolumeRow& v, const std::string& why) {
+  if (const int err = try_flush(volumes, v); err != 0) {
+    throw ApiError("internal", why + ", but volume " + v.id + " cannot be flushed (" +
+                                   std::strerror(err) +
+                                   "): writes acknowledged before may not be durable");
+  }
+}
+
+// Whether the database shows `v`'s writer and generation: a commit whose sync failed stands.
+bool commit_stands(Database& db, const VolumeRow& v) {
+  try {
+    Database::Transaction tx(db);
+    const std::optional<VolumeRow> row = tx.volume(v.id);
+    return row && row->writer == v.writer && row->fencing_generation == v.fencing_generation;
+  } catch (const DbError&) {
+    return false;
+  }
+}
+
+}  // namespace
+
 bool may_write(const AttachmentRow& a, const VolumeRow& v) {
   return may_hold_write_access(a.attach_status) && a.mode == backend::AttachMode::ReadWrite &&
          (v.writer_policy == WriterPolicy::Multi || v.writer == a.id);
@@ -22,57 +53,6 @@ void make_writer(VolumeRow& v, const std::string& attachment_id, const std::stri
   v.writer = attachment_id;
   v.fencing_generation += 1;
   v.writer_since = now;
-}
-
-void Service::load_write_access(Database::Transaction& tx) {
-  for (VolumeRow v : tx.volumes()) {
-    const std::vector<AttachmentRow> attachments = tx.attachments(v.id);
-    bool unclaimed = false;  // a shared store's lock that could not be taken back
-    if (!v.writer.empty()) {
-      bool writer_live = false;
-      for (const AttachmentRow& a : attachments) writer_live |= a.id == v.writer && may_write(a, v);
-      if (!writer_live) {  // detached while the daemon was down, or by the journal above
-        spdlog::info("control: volume {}: writer {} is no longer attached; no writer now", v.id,
-                     v.writer);
-        make_writer(v, "", now_iso());
-        tx.update_volume(v);
-      } else {
-        unclaimed = !reclaim_shared_writer(tx, v);
-      }
-    }
-    for (const AttachmentRow& a : attachments) {
-      // One the journal still holds revoked (the database could not record it) gets none.
-      if (is_live(a.attach_status)) {
-        exports_.set_write_access(a.id,
-                                  may_write(a, v) && !exports_.is_revoked(a.id) && !unclaimed);
-      }
-    }
-  }
-}
-
-int Service::try_flush(const VolumeRow& v) {
-  if (const int err = test_flush_error(); err != 0) return err;
-  auto volume = volumes_.open(v.id, v.size);
-  return volume ? backend::Handle(volume, backend::AttachMode::ReadOnly).flush() : EIO;
-}
-
-void Service::flush_volume(const VolumeRow& v, const std::string& why) {
-  if (const int err = try_flush(v); err != 0) {
-    throw ApiError("internal", why + ", but volume " + v.id + " cannot be flushed (" +
-                                   std::strerror(err) +
-                                   "): writes acknowledged before may not be durable");
-  }
-}
-
-// Whether the database shows `v`'s writer and generation: a commit whose sync failed stands.
-bool Service::commit_stands(const VolumeRow& v) {
-  try {
-    Database::Transaction tx(db_);
-    const std::optional<VolumeRow> row = tx.volume(v.id);
-    return row && row->writer == v.writer && row->fencing_generation == v.fencing_generation;
-  } catch (const DbError&) {
-    return false;
-  }
 }
 
 Json Service::volume_takeover(const std::string& volume_id, const std::string& attachment_id) {
@@ -108,7 +88,7 @@ Json Service::volume_takeover(const std::string& volume_id, const std::string& a
   }
   // A writer on another gateway of a shared store is cut off by the cluster before anything
   // changes here; one on this gateway leaves the lock with us (docs/scale-out.md).
-  const std::string fenced = fence_shared_writer(v);
+  const std::string fenced = shared_.fence_writer(v);
   const std::string old_id = v.writer;
   const uint64_t old_generation = v.fencing_generation;
   // The fence: from here on no change of the old writer runs, and none that it had sent
@@ -118,7 +98,7 @@ Json Service::volume_takeover(const std::string& volume_id, const std::string& a
     exports_.set_write_access(old_id, false);
     exports_.cut_subscribers(old_id);
   }
-  const int flush_err = try_flush(v);
+  const int flush_err = try_flush(volumes_, v);
   crash_point("volume_takeover:fenced");
   const std::optional<Database::PendingWriter> superseded = db_.pending_writer(v.id);
   const auto when = std::chrono::system_clock::now();
@@ -149,7 +129,7 @@ Json Service::volume_takeover(const std::string& volume_id, const std::string& a
           "control: volume {}: the database cannot record the takeover by attachment {} ({}); "
           "the revocation journal holds it until it can",
           v.id, a.id, e.what());
-    } else if (commit_stands(v)) {
+    } else if (commit_stands(db_, v)) {
       // Only its sync failed: the database shows the new writer, so it is done, unsynced
       // (docs/state.md, "Durability"), and the call says so.
       unsynced = e.what();
@@ -173,7 +153,7 @@ Json Service::volume_takeover(const std::string& volume_id, const std::string& a
     if (!journaled) db_.drop_pending_writer(v.id);
   }
   crash_point("volume_takeover:recorded");
-  publish_writer(v);
+  shared_.publish_writer(v);
   exports_.set_write_access(a.id, true);
   exports_.cut_subscribers(a.id);  // nbdkit resolved it without write access: connect again
   spdlog::info("control: volume {}: takeover: writer {} -> {} (generation {})", v.id,
@@ -199,7 +179,7 @@ Json Service::volume_takeover(const std::string& volume_id, const std::string& a
 }
 
 Json Service::change_mode(const std::string& id, backend::AttachMode mode) {
-  const std::string volume_id = volume_of(id);
+  const std::string volume_id = volume_of(db_, id);
   const VolumeLock lock = volumes_.lock(volume_id);
   VolumeRow v;
   AttachmentRow a;
@@ -209,7 +189,7 @@ Json Service::change_mode(const std::string& id, backend::AttachMode mode) {
     v = find_volume(tx, volume_id);
   }
   transition(a.id, a.attach_status, AttachEvent::ChangeMode);
-  if (a.mode == mode) return attachment_json(a, v);  // nothing to change: a retried call
+  if (a.mode == mode) return views_.attachment_json(a, v);  // nothing to change: a retried call
   const std::string now = now_iso();
   const std::string was_writer = v.writer;
   a.mode = mode;
@@ -218,15 +198,15 @@ Json Service::change_mode(const std::string& id, backend::AttachMode mode) {
     // connections stay (advertised read-write, every change gets EPERM).
     exports_.set_write_access(a.id, false);
     exports_.cut_subscribers(a.id);
-    flush_volume(v, "attachment " + a.id + " no longer writes");
+    flush_volume(volumes_, v, "attachment " + a.id + " no longer writes");
     a.write_access_since.clear();
     if (v.writer == a.id) {
       make_writer(v, "", now);
-      publish_writer(v);
-      release_shared_writer(v);
+      shared_.publish_writer(v);
+      shared_.release_writer(v);
     }
   } else if (v.writer_policy == WriterPolicy::Single && v.writer.empty() &&
-             claim_shared_writer(v)) {
+             shared_.claim_writer(v)) {
     make_writer(v, a.id, now);
     a.write_access_since = now;
   } else if (v.writer_policy == WriterPolicy::Multi) {
@@ -267,9 +247,9 @@ Json Service::change_mode(const std::string& id, backend::AttachMode mode) {
     spdlog::info("control: volume {}: writer {} -> {} (generation {})", v.id,
                  was_writer.empty() ? "(none)" : was_writer, v.writer.empty() ? "(none)" : v.writer,
                  v.fencing_generation);
-    if (!v.writer.empty()) publish_writer(v);  // a demotion's was, before the lock went
+    if (!v.writer.empty()) shared_.publish_writer(v);  // a demotion's was, before the lock went
   }
-  return attachment_json(a, v);
+  return views_.attachment_json(a, v);
 }
 
 }  // namespace shareblk::control

@@ -319,19 +319,19 @@ void clean_up(const Made& made) {
   Environment& env = environment();
   env.store.clear_failures();
   // A volume_delete returns before its backing is gone (a job finishes it): wait for those.
-  for (int tries = 0; env.service->running_job_count() != 0; ++tries) {
+  for (int tries = 0; env.service->counts().running_jobs != 0; ++tries) {
     if (tries == 10000) fail("a volume's job never finished");
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
   }
   // A job that has just finished may still hold its volume's lock for a moment.
-  for (int tries = 0; env.service->volume_lock_count() != 0; ++tries) {
+  for (int tries = 0; env.service->counts().volume_locks != 0; ++tries) {
     if (tries == 5000) fail("a volume lock outlived its call");
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
   }
   // Every volume has its backing made first and removed first (unless the store failed), and
   // every attachment needs a volume: with no backing left there is nothing to delete.
   if (env.store.volume_count() == 0 && !made.store_failed) {
-    if (env.service->subscriber_count() != 0) fail("a subscription outlived its attachment");
+    if (env.service->counts().subscribers != 0) fail("a subscription outlived its attachment");
     return;
   }
   for (const Json& a : call("attachment_list", Json::object())) {
@@ -345,7 +345,7 @@ void clean_up(const Made& made) {
     fail("attachments left after deleting every volume");
   }
   if (env.store.volume_count() != 0) fail("backing left after deleting every volume");
-  if (env.service->subscriber_count() != 0) fail("a subscription outlived its attachment");
+  if (env.service->counts().subscribers != 0) fail("a subscription outlived its attachment");
 }
 
 }  // namespace

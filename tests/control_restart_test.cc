@@ -115,7 +115,7 @@ TEST_F(ServiceTest, UnknownVolumeIdsLeaveNoLockBehind) {
     EXPECT_EQ(reason("attachment_create", {{"volume_id", bogus}, {"instance_uuid", "i"}}),
               "not_found");
   }
-  EXPECT_EQ(service_->volume_lock_count(), 0u);
+  EXPECT_EQ(service_->counts().volume_locks, 0u);
   // Nor does a volume once its calls are answered, deleted or not.
   const std::string id = call("volume_create", {{"name", "v"}, {"size", "1M"}})["id"];
   call("volume_update", {{"volume_id", id}, {"bootable", true}});
@@ -123,7 +123,7 @@ TEST_F(ServiceTest, UnknownVolumeIdsLeaveNoLockBehind) {
       call("attachment_create", {{"volume_id", id}, {"instance_uuid", "i"}})["id"];
   call("attachment_delete", {{"attachment_id", a}});
   call("volume_delete", {{"volume_id", id}, {"wait", true}});
-  EXPECT_EQ(service_->volume_lock_count(), 0u);
+  EXPECT_EQ(service_->counts().volume_locks, 0u);
 }
 
 TEST_F(ServiceTest, ExportResolveKeepsOneEntryPerLiveSubscriber) {
@@ -138,15 +138,15 @@ TEST_F(ServiceTest, ExportResolveKeepsOneEntryPerLiveSubscriber) {
     caller_.subscriber = gone;
     call("export_resolve", resolve);
   }
-  EXPECT_LE(service_->subscriber_count(), 1u);
+  EXPECT_LE(service_->counts().subscribers, 1u);
   // One client resolving again and again is one subscriber, told of the revocation once.
   auto kept = std::make_shared<NullSubscriber>();
   caller_.subscriber = kept;
   for (int i = 0; i < 100; ++i) call("export_resolve", resolve);
-  EXPECT_EQ(service_->subscriber_count(), 1u);
+  EXPECT_EQ(service_->counts().subscribers, 1u);
   call("attachment_delete", {{"attachment_id", a["id"]}});
   EXPECT_EQ(kept->notices, 1);
-  EXPECT_EQ(service_->subscriber_count(), 0u);
+  EXPECT_EQ(service_->counts().subscribers, 0u);
 }
 
 }  // namespace
