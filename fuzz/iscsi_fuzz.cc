@@ -7,14 +7,27 @@
 // must encode back to exactly the input, they are negotiated under a CHAP and a no-auth policy
 // (every answer must itself be valid text, one per offer at most plus our declarations), each
 // value goes through the binary and numerical parsers, and the pairs are checked as a CHAP
-// answer, one-way and mutual. A broken check aborts.
+// answer, one-way and mutual.
+//
+// The same input also drives one connection's login (iscsi/login.h): it is read as PDUs on the
+// wire, each a 48-byte header and the data segment its DataSegmentLength gives (cut short at the
+// input's end, padded to 4 bytes), decoded as the target does; the login stops where a header
+// is refused, as the connection would. Every answer must encode to a Login Response for the
+// request's task tag, with valid text of at most 8192 bytes (what an initiator takes during
+// login) and a StatSN one more than the last; the login must end (Close or Full Feature) within
+// its PDU bound and answer nothing after; Full Feature never comes for a login whose
+// authorization required CHAP (the fuzzer cannot answer a random challenge) or was refused. The
+// last data segment is also given to send_targets(). A broken check aborts.
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <memory>
+#include <optional>
 #include <span>
 #include <string>
+#include <string_view>
 #include <variant>
 #include <vector>
 
@@ -88,6 +101,97 @@ void check_text(std::span<const uint8_t> text) {
   (void)chap_mutual_response(sent, *pairs, initiator, target);
 }
 
+constexpr std::size_t kMaxPdus = 16;  // LoginConfig's default, which the harness keeps
+
+// Who may log in: any target under our prefix (and discovery); CHAP required when the
+// initiator name's length is odd, mutual CHAP offered when its last byte is even.
+LoginDecision decide(SessionType type, std::string_view initiator, std::string_view target) {
+  LoginDecision decision;
+  decision.allowed =
+      type == SessionType::Discovery || target.starts_with("iqn.2026-11.org.shareblk:");
+  if (initiator.size() % 2 == 1) decision.chap = ChapCredentials{"user1", "initiator-secret"};
+  if (!initiator.empty() && static_cast<uint8_t>(initiator.back()) % 2 == 0) {
+    decision.mutual_chap = ChapCredentials{"target1", "target-secret16"};
+  }
+  decision.handle = std::make_shared<int>(1);
+  return decision;
+}
+
+void check_login(std::span<const uint8_t> input) {
+  std::optional<LoginDecision> decision;
+  LoginConfig config;
+  config.first_stat_sn = 0xfffffffe;  // wraps during the login
+  config.max_pdus = kMaxPdus;
+  Login login(config,
+              [&decision](SessionType type, std::string_view initiator, std::string_view target) {
+                check(!decision.has_value(), "authorize called twice");
+                decision = decide(type, initiator, target);
+                return *decision;
+              });
+  const DecodeLimits target_side{};
+  const DecodeLimits any{kMaxDataSegmentLength, 255, false};
+  uint32_t stat_sn = config.first_stat_sn;
+  std::size_t steps = 0;
+  std::span<const uint8_t> last_data;
+  while (input.size() >= kBhsLength) {
+    const DecodeResult decoded = decode_bhs(input, target_side);
+    const auto* request = std::get_if<Bhs>(&decoded);
+    if (request == nullptr) break;      // the connection ends (Reject, or closed)
+    input = input.subspan(kBhsLength);  // no AHS: the target's limits refuse them
+    const std::size_t length = std::min<std::size_t>(request->data_segment_length, input.size());
+    const std::span<const uint8_t> data = input.first(length);
+    input = input.subspan(
+        std::min<std::size_t>(padded_length(static_cast<uint32_t>(length)), input.size()));
+    last_data = data;
+    const bool was_finished = login.finished();
+    const LoginStep step = login.step(*request, data);
+    ++steps;
+    if (was_finished) {
+      check(!step.send && step.outcome == LoginOutcome::Close, "an answer after the end");
+      continue;
+    }
+    if (step.send) {
+      const auto header = encode_bhs(step.response);
+      const DecodeResult back = decode_bhs(header, any);
+      const auto* response = std::get_if<Bhs>(&back);
+      check(response != nullptr, "a Login Response that does not decode");
+      const auto* fields = std::get_if<LoginResponse>(&response->fields);
+      check(fields != nullptr, "an answer that is not a Login Response");
+      check(response->initiator_task_tag == request->initiator_task_tag, "ITT not echoed");
+      check(fields->stat_sn == stat_sn++, "StatSN not one more than the last");
+      check(step.data.size() <= 8192 && response->data_segment_length == step.data.size(),
+            "answer length");
+      const ParsedText text =
+          parse_text({reinterpret_cast<const uint8_t*>(step.data.data()), step.data.size()});
+      check(std::holds_alternative<std::vector<KeyValue>>(text), "answer is not valid text");
+      const bool success = fields->status_class == 0 && fields->status_detail == 0;
+      check(success == (step.outcome != LoginOutcome::Close), "status and outcome disagree");
+      check(step.outcome != LoginOutcome::Close || step.data.empty(), "a reject with data");
+    }
+    if (step.outcome == LoginOutcome::Continue) {
+      check(!login.finished() && steps <= kMaxPdus, "a login past its PDU bound");
+    } else {
+      check(login.finished(), "an ended login not finished");
+    }
+    if (step.outcome == LoginOutcome::FullFeature) {
+      check(login.result() != nullptr && decision && decision->allowed && !decision->chap,
+            "Full Feature without authorization");
+      check(!login.result()->params.initiator_name.empty(), "Full Feature without a name");
+    }
+  }
+  check(login.finished() || steps <= kMaxPdus, "a login past its PDU bound");
+  const std::vector<TargetPortals> targets{{"iqn.2026-11.org.shareblk:vol1", {"192.0.2.1:3260,1"}},
+                                           {"iqn.2026-11.org.shareblk:vol2", {}}};
+  for (SessionType type : {SessionType::Normal, SessionType::Discovery}) {
+    const auto answer = send_targets(last_data, type, targets);
+    if (const auto* text = std::get_if<std::string>(&answer)) {
+      const ParsedText parsed =
+          parse_text({reinterpret_cast<const uint8_t*>(text->data()), text->size()});
+      check(std::holds_alternative<std::vector<KeyValue>>(parsed), "SendTargets answer text");
+    }
+  }
+}
+
 }  // namespace
 }  // namespace shareblk::fuzz
 
@@ -97,5 +201,6 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (size >= shareblk::iscsi::kBhsLength) {
     shareblk::fuzz::check_text(input.subspan(shareblk::iscsi::kBhsLength));
   }
+  shareblk::fuzz::check_login(input);
   return 0;
 }

@@ -372,6 +372,21 @@ std::optional<uint64_t> parse_number(std::string_view value) {
   return number;
 }
 
+KeyStage login_stage_of(std::string_view key) {
+  const KeySpec* spec = find_key(key);
+  if (spec == nullptr) return KeyStage::Any;
+  switch (spec->kind) {
+    case Kind::Auth:
+      return KeyStage::Security;
+    case Kind::Name:
+    case Kind::Session:
+    case Kind::TargetOnly:
+      return KeyStage::Any;
+    default:
+      return KeyStage::Operational;
+  }
+}
+
 NegotiationResult negotiate(std::span<const KeyValue> offered, const TargetPolicy& policy,
                             SessionParams& params) {
   NegotiationResult result;

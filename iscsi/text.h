@@ -144,6 +144,14 @@ struct NegotiationResult {
   std::string failed_key;
 };
 
+// Which login stage a key may be sent in (§6.3: sending a key in a stage that does not allow it
+// is a protocol error). AuthMethod is a security key (§12); the names, SessionType and the
+// target's declarations are allowed in any stage (§13); every other key of §13 that negotiate()
+// knows is operational. Keys negotiate() does not know (and CHAP_*, which chap.h handles) are
+// Any: they are answered, or refused, by their own rules.
+enum class KeyStage : uint8_t { Any, Security, Operational };
+KeyStage login_stage_of(std::string_view key);
+
 // Answers `offered` under `policy` and updates `params`. Unknown keys and private ones (X-,
 // X#) are answered NotUnderstood (§6.2, §13.22); a value not valid for its key, or out of its
 // range, is answered Reject and changes nothing; keys that mean nothing in a Discovery session
