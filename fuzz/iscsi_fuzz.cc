@@ -17,7 +17,15 @@
 // login) and a StatSN one more than the last; the login must end (Close or Full Feature) within
 // its PDU bound and answer nothing after; Full Feature never comes for a login whose
 // authorization required CHAP (the fuzzer cannot answer a random challenge) or was refused. The
-// last data segment is also given to send_targets(). A broken check aborts.
+// last data segment is also given to send_targets().
+//
+// The same bytes also drive a session's Full Feature Phase bookkeeping (iscsi/session.h): read
+// as a stream of small records, they are CmdSNs offered to a CommandWindow (which must keep
+// ExpCmdSN and MaxCmdSN from going back, hold no more than its depth and deliver each CmdSN once,
+// in order), Data-Out headers offered to a WriteTransfer (whose accepted segments must be
+// contiguous, within the Expected Data Transfer Length, each no longer than
+// MaxRecvDataSegmentLength, and whose R2Ts ask for at most MaxBurstLength), and the lengths of a
+// ReadTransfer (whose Data-In PDUs must tile exactly the bytes it sends). A broken check aborts.
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
@@ -192,6 +200,143 @@ void check_login(std::span<const uint8_t> input) {
   }
 }
 
+// Reads the input a few bytes at a time; past its end, zeros.
+class Reader {
+ public:
+  explicit Reader(std::span<const uint8_t> input) : input_(input) {}
+  bool empty() const { return input_.empty(); }
+  uint8_t u8() {
+    if (input_.empty()) return 0;
+    const uint8_t v = input_.front();
+    input_ = input_.subspan(1);
+    return v;
+  }
+  uint32_t u32() {
+    uint32_t v = 0;
+    for (int i = 0; i < 4; ++i) v = (v << 8) | u8();
+    return v;
+  }
+
+ private:
+  std::span<const uint8_t> input_;
+};
+
+void check_window(Reader& in) {
+  const uint32_t first = in.u32();
+  CommandWindow window(CommandWindowConfig{first, 1U + in.u8() % 16, in.u8() % 4U});
+  std::vector<uint32_t> delivered;  // non-immediate CmdSNs, in delivery order
+  for (int step = 0; step < 64 && !in.empty(); ++step) {
+    const uint32_t exp = window.exp_cmd_sn();
+    const uint32_t max = window.max_cmd_sn();
+    const uint8_t op = in.u8();
+    const uint32_t cmd_sn = exp + static_cast<uint32_t>(static_cast<int8_t>(in.u8()));
+    if (op % 4 == 0) {
+      (void)window.completed((op & 0x10) != 0);
+    } else if (op % 4 == 1) {
+      (void)window.consume(cmd_sn);
+    } else {
+      const CmdSnVerdict verdict = window.accept(cmd_sn, op % 4 == 3);
+      if (verdict == CmdSnVerdict::Deliver) delivered.push_back(cmd_sn);
+      while (const auto ready = window.take_ready()) delivered.push_back(*ready);
+    }
+    check(serial_less_equal(exp, window.exp_cmd_sn()), "ExpCmdSN went back");
+    check(serial_less_equal(max, window.max_cmd_sn()), "MaxCmdSN went back");
+    check(window.outstanding() <= 16 && window.held() <= 16, "more than the window's depth");
+    check(window.max_cmd_sn() + 1 - window.exp_cmd_sn() <= 16, "a window wider than its depth");
+  }
+  // Delivered CmdSNs are consecutive apart from consumed ones: each is after the one before.
+  for (std::size_t i = 1; i < delivered.size(); ++i) {
+    check(serial_less(delivered[i - 1], delivered[i]), "a CmdSN delivered out of order or twice");
+  }
+}
+
+void check_write(Reader& in) {
+  SessionParams params;
+  params.immediate_data = (in.u8() & 1) != 0;
+  params.initial_r2t = (in.u8() & 1) != 0;
+  params.target_max_recv_data_segment_length = 512U + in.u8() * 64U;
+  params.max_burst_length = 512U + in.u8() * 256U;
+  params.first_burst_length = std::min(params.max_burst_length, 512U + in.u8() * 128U);
+  Bhs command;
+  ScsiCommand fields;
+  fields.expected_data_transfer_length = in.u32() % (1U << 20);
+  command.final = (in.u8() & 1) != 0;
+  command.data_segment_length = in.u32() % (1U << 16);
+  command.fields = fields;
+  auto started = WriteTransfer::start(params, command, 0x55);
+  auto* transfer = std::get_if<WriteTransfer>(&started);
+  if (transfer == nullptr) return;
+  check(transfer->received() == command.data_segment_length, "immediate data not counted");
+  std::optional<R2t> open;
+  for (int step = 0; step < 64 && !in.empty(); ++step) {
+    if ((in.u8() & 3) == 0) {
+      if (auto r2t = transfer->next_r2t()) {
+        check(!open.has_value() ||
+                  transfer->received() == open->buffer_offset + open->desired_data_transfer_length,
+              "a second R2T before the first one's data");
+        check(r2t->desired_data_transfer_length > 0 &&
+                  r2t->desired_data_transfer_length <= params.max_burst_length,
+              "R2T length out of range");
+        check(r2t->buffer_offset == transfer->received(), "R2T not where the data continues");
+        open = r2t;
+      }
+      continue;
+    }
+    Bhs pdu;
+    DataOut out;
+    const uint8_t how = in.u8();
+    out.target_transfer_tag = (how & 1) != 0 ? kReservedTag : 0x55;
+    out.data_sn = in.u8() % 4;
+    // Mostly where the data continues, so that the fuzzer reaches the later checks.
+    out.buffer_offset = (how & 2) != 0 ? in.u32() : transfer->received();
+    pdu.data_segment_length = (how & 4) != 0 ? in.u32() % (1U << 17) : 1U + in.u8() * 32U;
+    pdu.final = (how & 8) != 0;
+    pdu.fields = out;
+    const uint32_t before = transfer->received();
+    const auto result = transfer->data_out(pdu);
+    if (const auto* ok = std::get_if<DataOutAccepted>(&result)) {
+      check(ok->buffer_offset == before && ok->length == pdu.data_segment_length,
+            "an accepted segment not where the data continues");
+      check(ok->length <= params.target_max_recv_data_segment_length, "an oversized segment");
+      check(transfer->received() == before + ok->length, "received not counted");
+      check(ok->transfer_done == transfer->done(), "done disagrees");
+    } else {
+      check(transfer->received() == before, "a refused segment counted");
+      return;  // the connection ends
+    }
+    check(transfer->received() <= transfer->length(), "more than the expected length");
+  }
+}
+
+void check_read(Reader& in) {
+  SessionParams params;
+  params.initiator_max_recv_data_segment_length = 1U + in.u32() % (1U << 18);
+  params.max_burst_length = 1U + in.u32() % (1U << 20);
+  const uint32_t expected = in.u32() % (1U << 22);
+  const uint64_t data_length = in.u32() % (1U << 22);
+  ReadTransfer read(params, expected, data_length, 7, 0, (in.u8() & 1) != 0);
+  uint32_t offset = 0;
+  uint32_t data_sn = 0;
+  while (auto pdu = read.next()) {
+    const auto& fields = std::get<DataIn>(pdu->header.fields);
+    check(fields.buffer_offset == offset && fields.data_sn == data_sn++, "Data-In not in order");
+    check(pdu->length > 0 && pdu->length <= params.initiator_max_recv_data_segment_length,
+          "Data-In segment length");
+    offset += pdu->length;
+    const bool last = offset == read.send_length();
+    check(!last || pdu->header.final, "last Data-In without F");
+    check(fields.status_present == (last && read.status_in_data()), "S bit misplaced");
+  }
+  check(offset == std::min<uint64_t>(expected, data_length), "Data-In does not tile the data");
+}
+
+void check_session(std::span<const uint8_t> input) {
+  Reader in(input);
+  check_window(in);
+  check_write(in);
+  check_read(in);
+}
+
 }  // namespace
 }  // namespace shareblk::fuzz
 
@@ -202,5 +347,6 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     shareblk::fuzz::check_text(input.subspan(shareblk::iscsi::kBhsLength));
   }
   shareblk::fuzz::check_login(input);
+  shareblk::fuzz::check_session(input);
   return 0;
 }
