@@ -55,14 +55,4 @@ std::string PskKeys::key(const std::string& identity) const {
   return std::string(reinterpret_cast<const char*>(digest), sizeof digest);
 }
 
-std::string PskKeys::hex(const std::string& key) {
-  static constexpr char kDigits[] = "0123456789abcdef";
-  std::string out;
-  for (unsigned char c : key) {
-    out.push_back(kDigits[c >> 4]);
-    out.push_back(kDigits[c & 15]);
-  }
-  return out;
-}
-
 }  // namespace shareblk::control

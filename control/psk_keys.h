@@ -20,8 +20,6 @@ class PskKeys {
   bool enabled() const { return !secret_.empty(); }
   // The 32-byte key of `identity`; "" when disabled.
   std::string key(const std::string& identity) const;
-  // As a keys.psk line wants it: lower-case hex.
-  static std::string hex(const std::string& key);
 
  private:
   std::string secret_;

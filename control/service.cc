@@ -16,6 +16,7 @@
 #include <thread>
 
 #include "control/admission.h"
+#include "text/hex.h"
 #include "text/iso_time.h"
 
 namespace shareblk::control {
@@ -29,13 +30,7 @@ std::string random_hex(size_t bytes) {
     if (n < 0) throw ApiError("internal", "getrandom failed");
     got += static_cast<size_t>(n);
   }
-  static const char* kHex = "0123456789abcdef";
-  std::string out;
-  for (unsigned char c : raw) {
-    out += kHex[c >> 4];
-    out += kHex[c & 15];
-  }
-  return out;
+  return to_hex(raw);
 }
 
 // A random (version 4) UUID.

@@ -9,6 +9,7 @@
 #include "control/service.h"
 #include "control/volume_checks.h"
 #include "control/volume_jobs.h"
+#include "text/hex.h"
 
 namespace shareblk::control {
 
@@ -64,7 +65,7 @@ Json Views::connection_info(const AttachmentRow& a, const VolumeRow& v,
                {"shareable", v.multiattach},   {"size", v.size}, {"tls", tls}};
   if (psk) {
     data["tls_psk_identity"] = a.id;
-    data["tls_psk_key"] = PskKeys::hex(s_.psk.key(a.id));
+    data["tls_psk_key"] = to_hex(s_.psk.key(a.id));  // as a keys.psk line has it
   }
   return Json{{"driver_volume_type", "nbd"}, {"data", data}};
 }

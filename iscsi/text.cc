@@ -9,6 +9,8 @@
 #include <set>
 #include <utility>
 
+#include "text/hex.h"
+
 namespace shareblk::iscsi {
 namespace {
 
@@ -344,14 +346,7 @@ std::optional<std::vector<uint8_t>> decode_binary(std::string_view value) {
 }
 
 std::string encode_hex(std::span<const uint8_t> bytes) {
-  static constexpr std::string_view kDigits = "0123456789abcdef";
-  std::string out = "0x";
-  out.reserve(2 + 2 * bytes.size());
-  for (uint8_t b : bytes) {
-    out.push_back(kDigits[b >> 4]);
-    out.push_back(kDigits[b & 0x0f]);
-  }
-  return out;
+  return "0x" + to_hex(bytes);
 }
 
 std::optional<uint64_t> parse_number(std::string_view value) {

@@ -7,13 +7,14 @@
 #include <string>
 #include <string_view>
 
+#include "text/hex.h"
+
 namespace shareblk {
 
 // `text` with control characters and bytes past ASCII escaped (\n, \xNN) and the backslash
 // doubled, at most `max_bytes` of it (then "..."), so that a name cannot forge a line, a table
 // row or a terminal sequence. What comes out is printable ASCII, one byte a column.
 inline std::string printable(std::string_view text, size_t max_bytes = 256) {
-  static constexpr char kHex[] = "0123456789abcdef";
   std::string out;
   for (unsigned char c : text.substr(0, max_bytes)) {
     if (c == '\\') {
@@ -24,8 +25,7 @@ inline std::string printable(std::string_view text, size_t max_bytes = 256) {
       out += static_cast<char>(c);
     } else {
       out += "\\x";
-      out += kHex[c >> 4];
-      out += kHex[c & 15];
+      append_hex(out, c);
     }
   }
   if (text.size() > max_bytes) out += "...";
